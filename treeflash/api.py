@@ -1,0 +1,113 @@
+"""The Python API: `engine = treeflash.load(); engine.generate("Hi")`."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .decoding.generate import Stats, decode
+from .decoding.proposers import TreeParams, make_proposer
+from .decoding.sampling import SamplingParams
+from .errors import TreeflashError
+from .models import registry
+from .models.drafter import Drafter, DrafterConfig, check_fits, load_drafter
+from .models.target import Target, parse_dtype
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    stats: Stats
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+
+
+def random_drafter(target: Target, seed: int = 0, **kw) -> Drafter:
+    """A random-initialised drafter sized for `target` (for tests and checks)."""
+    cfg = DrafterConfig.for_target(target.config, mask_token_id=target.default_mask_token(), **kw)
+    cfg.vocab_size = target.vocab_rows
+    return Drafter(cfg).init_weights(seed).to(target.dtype).eval()
+
+
+class Engine:
+    def __init__(self, target: Target, drafter: Drafter | None):
+        self.target, self.drafter = target, drafter
+        if drafter is not None:
+            check_fits(drafter.config, target.config, target.vocab_rows)
+            drafter.to(target.dtype)
+            target.set_taps(drafter.config.target_layer_ids)
+
+    def _prepare(self, prompt, method, max_new_tokens, temperature, top_p, sampling_top_k,
+                 tree_size, top_m, top_k, chat):
+        sampling = SamplingParams(float(temperature), float(top_p), int(sampling_top_k)).check(self.target.vocab_rows)
+        params = TreeParams(int(tree_size), int(top_m), int(top_k)).check(self.target.vocab_rows)
+        proposer = make_proposer(method, self.drafter, self.target.embed, self.target.lm_head, params)
+        ids = self.target.encode(prompt, chat=chat)
+        if len(ids) >= self.target.max_length:
+            raise TreeflashError(f"prompt has {len(ids)} tokens; the context window is {self.target.max_length}")
+        if int(max_new_tokens) < 1:
+            raise TreeflashError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        return ids, sampling, proposer
+
+    def tokens(self, prompt, method: str = "treeflash", max_new_tokens: int = 256, temperature: float = 0.0,
+               top_p: float = 1.0, sampling_top_k: int = 0, tree_size: int = 16, top_m: int = 8,
+               top_k: int = 8, seed: int | None = None, chat: bool = True, stats: Stats | None = None,
+               stop_ids: set[int] | None = None) -> Iterator[int]:
+        """Yield new token ids (prompt: text, chat messages, or token ids)."""
+        ids, sampling, proposer = self._prepare(prompt, method, max_new_tokens, temperature, top_p,
+                                                sampling_top_k, tree_size, top_m, top_k, chat)
+        with torch.no_grad():
+            yield from decode(self.target, proposer, ids, int(max_new_tokens), sampling, seed, stats, stop_ids)
+
+    def stream(self, prompt, stats: Stats | None = None, **kw) -> Iterator[str]:
+        """Yield text pieces as they are decoded (stop tokens are not shown)."""
+        tok = self.target.tokenizer
+        out, shown = [], ""
+        stop = self.target.stop_ids()
+        for t in self.tokens(prompt, stats=stats, **kw):
+            if t in stop:
+                continue
+            out.append(t)
+            text = tok.decode(out, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                continue  # an incomplete UTF-8 sequence: wait for the next token
+            yield text[len(shown):]
+            shown = text
+
+    def generate(self, prompt, **kw) -> Result:
+        stats = Stats()
+        ids = list(self.tokens(prompt, stats=stats, **kw))
+        text = self.target.tokenizer.decode([t for t in ids if t not in self.target.stop_ids()],
+                                            skip_special_tokens=True)
+        return Result(text, ids, stats)
+
+
+def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = None,
+         dtype: str = "float32", seed: int = 0, quiet: bool = False) -> Engine:
+    """Load a target (built-in name, HF directory or .gguf) and a drafter.
+
+    drafter: None -> the shipped drafter of the target (a random one, with a warning, if none is
+    shipped); "random" -> a random-initialised drafter; a path -> that drafter directory;
+    "none" -> no drafter (vanilla decoding only).
+    """
+    tgt = Target.load(target, dtype=parse_dtype(dtype))
+    if isinstance(drafter, Drafter):
+        d = drafter
+    elif drafter == "none":
+        d = None
+    elif drafter == "random":
+        d = random_drafter(tgt, seed=seed)
+    else:
+        path = registry.resolve_drafter(drafter, target)
+        if path is None:
+            if not quiet:
+                print(f"treeflash: warning: no trained drafter ships for {target!r}; using a random drafter "
+                      "(lossless but slow). Pass --drafter PATH.", file=sys.stderr)
+            d = random_drafter(tgt, seed=seed)
+        else:
+            d = load_drafter(path, dtype=tgt.dtype)
+    return Engine(tgt, d)

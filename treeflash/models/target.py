@@ -1,0 +1,150 @@
+"""The target LLM: any Hugging Face causal LM with embed_tokens / lm_head.
+
+- hidden states of chosen layers are captured with forward hooks (not output_hidden_states),
+- `forward` runs a flat sequence or a draft tree (4-D ancestor-only mask, positions start+depth),
+- `compact` keeps only the accepted path in the KV cache.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from ..errors import TreeflashError
+from . import registry
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise TreeflashError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class Target:
+    def __init__(self, model, tokenizer, name: str = "target"):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+        self.decoder = model.get_decoder()
+        self.embed = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        if self.embed is None or self.lm_head is None or not hasattr(self.decoder, "layers"):
+            raise TreeflashError(f"target {name} has no embed_tokens/lm_head/layers; not a supported causal LM")
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.max_length = int(getattr(self.config, "max_position_embeddings", 2048))
+        self.vocab_rows = self.embed.weight.shape[0]
+        self._taps: dict[int, torch.Tensor] = {}
+        self._hooks = []
+        self.tap_ids: list[int] = []
+
+    # ---- loading ----
+    @classmethod
+    def load(cls, name_or_path: str = registry.DEFAULT_TARGET, dtype="float32") -> "Target":
+        path, gguf = registry.resolve_target(name_or_path)
+        kw = {"gguf_file": gguf} if gguf else {}
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), **kw)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=parse_dtype(dtype), **kw)
+        except (OSError, ValueError) as e:
+            raise TreeflashError(f"cannot load target {name_or_path!r}: {str(e).splitlines()[0]}") from None
+        return cls(model, tok, name=name_or_path)
+
+    # ---- hidden-state taps ----
+    def set_taps(self, layer_ids: list[int]) -> None:
+        """Capture the outputs of these decoder layers on every forward."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self.tap_ids = [], list(layer_ids)
+        for i in self.tap_ids:
+            self._hooks.append(self.decoder.layers[i].register_forward_hook(self._hook(i)))
+
+    def _hook(self, i: int):
+        def fn(_module, _inp, out):
+            self._taps[i] = out[0] if isinstance(out, tuple) else out
+        return fn
+
+    # ---- forward ----
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                mask: torch.Tensor | None = None, logits_rows: slice | torch.Tensor | None = None):
+        """ids, positions [N]; mask [N, past+N] bool (True = may attend) or None for causal.
+
+        Returns logits [n, V] (float32, for `logits_rows` or all N) and features [N, taps*H]
+        (None without taps).
+        """
+        attn = None
+        if mask is not None:
+            attn = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
+            attn.masked_fill_(~mask, torch.finfo(self.dtype).min)
+            attn = attn[None, None]  # [1, 1, N, past+N]
+        self._taps.clear()
+        out = self.decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=attn,
+                           cache=cache, use_cache=True)
+        h = out.last_hidden_state[0]  # [N, H]
+        if logits_rows is not None:
+            h = h[logits_rows]
+        logits = self.lm_head(h).float()
+        feats = torch.cat([self._taps[i][0] for i in self.tap_ids], -1) if self.tap_ids else None
+        return logits, feats
+
+    @staticmethod
+    def compact(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
+        """Keep cache[:start] and the tree nodes `keep` [K] (indices relative to start), in order."""
+        for layer in cache.layers:
+            idx = start + keep
+            layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, idx]], 2)
+            layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, idx]], 2)
+
+    # ---- text ----
+    def encode(self, prompt: str | list[dict] | list[int], chat: bool = True) -> list[int]:
+        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+            ids = list(prompt)
+        elif isinstance(prompt, list):
+            ids = self.apply_chat(prompt)
+        elif chat and self.tokenizer.chat_template:
+            ids = self.apply_chat([{"role": "user", "content": prompt}])
+        else:
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if not ids or (isinstance(prompt, str) and not prompt.strip()):
+            raise TreeflashError("empty prompt")
+        return ids
+
+    def apply_chat(self, messages: list[dict]) -> list[int]:
+        if not messages:
+            raise TreeflashError("empty messages list")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(out, "keys"):  # BatchEncoding in newer transformers
+            out = out["input_ids"]
+        return list(out)
+
+    def stop_ids(self) -> set[int]:
+        ids = set()
+        eos = self.config.eos_token_id if self.config.eos_token_id is not None else self.tokenizer.eos_token_id
+        for e in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if e is not None:
+                ids.add(int(e))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def default_mask_token(self) -> int:
+        """A token id the drafter can use as MASK: an unused embedding row, else a rare special token."""
+        n_tok = len(self.tokenizer)
+        if self.vocab_rows > n_tok:
+            return n_tok
+        specials = set(self.tokenizer.all_special_ids) | set(getattr(self.tokenizer, "added_tokens_decoder", {}))
+        used = self.stop_ids() | {self.tokenizer.bos_token_id, self.tokenizer.pad_token_id,
+                                  self.tokenizer.unk_token_id}
+        for i in sorted((i for i in specials if i is not None), reverse=True):
+            if i not in used and i < self.vocab_rows:
+                return int(i)
+        return self.vocab_rows - 1
+
