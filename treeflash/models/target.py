@@ -45,6 +45,9 @@ class Target:
     # ---- loading ----
     @classmethod
     def load(cls, name_or_path: str = registry.DEFAULT_TARGET, dtype="float32") -> "Target":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         path, gguf = registry.resolve_target(name_or_path)
         kw = {"gguf_file": gguf} if gguf else {}
         try:
