@@ -1,6 +1,7 @@
 """The Python API: `engine = treeflash.load(); engine.generate("Hi")`."""
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Iterator
@@ -60,6 +61,8 @@ class Engine:
         """Yield new token ids (prompt: text, chat messages, or token ids)."""
         ids, sampling, proposer = self._prepare(prompt, method, max_new_tokens, temperature, top_p,
                                                 sampling_top_k, tree_size, top_m, top_k, chat)
+        if self.drafter is not None and self.target.tap_ids != self.drafter.config.target_layer_ids:
+            self.target.set_taps(self.drafter.config.target_layer_ids)  # a shared target, re-tapped
         with torch.no_grad():
             yield from decode(self.target, proposer, ids, int(max_new_tokens), sampling, seed, stats, stop_ids)
 
@@ -86,6 +89,12 @@ class Engine:
         return Result(text, ids, stats)
 
 
+@functools.lru_cache(maxsize=2)
+def _load_target(name: str, dtype) -> Target:
+    """Targets are cached per process (engines share them; each engine re-sets the taps it needs)."""
+    return Target.load(name, dtype=dtype)
+
+
 def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = None,
          dtype: str = "float32", seed: int = 0, quiet: bool = False) -> Engine:
     """Load a target (built-in name, HF directory or .gguf) and a drafter.
@@ -94,7 +103,7 @@ def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = 
     shipped); "random" -> a random-initialised drafter; a path -> that drafter directory;
     "none" -> no drafter (vanilla decoding only).
     """
-    tgt = Target.load(target, dtype=parse_dtype(dtype))
+    tgt = _load_target(target, parse_dtype(dtype))
     if isinstance(drafter, Drafter):
         d = drafter
     elif drafter == "none":

@@ -102,11 +102,18 @@ class TreeFlash(Proposer):
         D = h.shape[0] - 1
         m, k = self.params.top_m, self.params.top_k
         cand = self.marginal_logp(h).topk(m, -1).indices  # [D, m]
+        vals, idx = self.corrected_logp(h, root_token, cand).topk(k, -1)  # [1 + (D-1)*m, k]
+        return TransitionTables(cand, idx[0], vals[0], idx[1:].view(D - 1, m, k), vals[1:].view(D - 1, m, k))
+
+    def corrected_logp(self, h: torch.Tensor, root_token: int, cand: torch.Tensor) -> torch.Tensor:
+        """Row 0: depth 1 given the root; row 1 + (d-1)*m + j: depth d+1 given cand[d-1, j].
+
+        h [D+1, H], cand [D, m] -> log-probs [1 + (D-1)*m, V].
+        """
+        m = cand.shape[1]
         prev = torch.cat([torch.tensor([root_token]), cand[:-1].reshape(-1)])  # [1 + (D-1)*m]
         rows_h = torch.cat([h[1:2], h[2:].repeat_interleave(m, 0)])  # [1 + (D-1)*m, H]
-        logp = self.lm_head(self.drafter.corrected(rows_h, self.embed(prev))).float().log_softmax(-1)
-        vals, idx = logp.topk(k, -1)  # [1 + (D-1)*m, k]
-        return TransitionTables(cand, idx[0], vals[0], idx[1:].view(D - 1, m, k), vals[1:].view(D - 1, m, k))
+        return self.lm_head(self.drafter.corrected(rows_h, self.embed(prev))).float().log_softmax(-1)
 
     def build(self, root_token, tables):
         return treeflash_tree(root_token, tables, self.params.budget)

@@ -1,0 +1,143 @@
+"""Shared fixtures: tiny random-weight targets of several architectures, and oracle proposers.
+
+Oracle proposers (forced-argmax fixtures) bias the drafter's tables towards a known reference
+continuation, so that trees get accepted deep and at varying ranks: losslessness is then tested
+on long accepted paths, not only on rejections.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+from treeflash.api import random_drafter
+from treeflash.decoding.generate import Stats, decode
+from treeflash.decoding.proposers import Chain, Marginal, TreeFlash, TreeParams, Vanilla
+from treeflash.decoding.sampling import SamplingParams
+from treeflash.models.target import Target
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+}
+
+
+class NoTokenizer:
+    """Targets in these tests take token ids; only the attributes the engine reads exist."""
+
+    chat_template = None
+    eos_token_id = bos_token_id = pad_token_id = unk_token_id = None
+    all_special_ids: list[int] = []
+    added_tokens_decoder: dict = {}
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def __len__(self):
+        return self.vocab
+
+
+def tiny_target(arch: str = "llama", vocab: int = 128, layers: int = 4, seed: int = 0,
+                logit_scale: float = 1.0, max_pos: int = 512) -> Target:
+    cfg_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    cfg = cfg_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+                  **extra)
+    model = model_cls(cfg).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return Target(model, NoTokenizer(vocab), name=f"tiny-{arch}")
+
+
+def tiny_drafter(target: Target, seed: int = 1, block_size: int = 8, ar_std: float = 0.3):
+    d = random_drafter(target, seed=seed, num_layers=1, num_taps=2, block_size=block_size)
+    if d.ar_approximation is not None:  # a non-zero correction, so stage 2 differs from stage 1
+        torch.nn.init.normal_(d.ar_approximation.d.weight, std=ar_std,
+                              generator=torch.Generator().manual_seed(seed))
+    target.set_taps(d.config.target_layer_ids)
+    return d
+
+
+class _Oracle:
+    """Mixin: bias the drafter's log-probs towards `reference` (the full token sequence)."""
+
+    reference: list[int]
+    hit_rate = 0.8
+    bonus = 4.0
+
+    def propose(self, cache, root_token, start, max_depth):
+        self._start = start
+        self._rng = random.Random(start * 7919 + len(self.reference))
+        return super().propose(cache, root_token, start, max_depth)
+
+    def _ref(self, depth: int) -> int | None:
+        i = self._start + depth
+        return self.reference[i] if i < len(self.reference) else None
+
+    def _boost(self, row: torch.Tensor, depth: int) -> None:
+        tok = self._ref(depth)
+        if tok is None:
+            return
+        if self._rng.random() > self.hit_rate:  # a wrong guess, so rejections happen too
+            tok = self._rng.randrange(row.shape[0])
+        row[tok] += self.bonus * (1 + self._rng.random())
+
+    def marginal_logp(self, h):
+        logp = super().marginal_logp(h).clone()
+        for d in range(logp.shape[0]):
+            self._boost(logp[d], d + 1)
+        return logp.log_softmax(-1)
+
+
+class OracleChain(_Oracle, Chain):
+    pass
+
+
+class OracleMarginal(_Oracle, Marginal):
+    pass
+
+
+class OracleTreeFlash(_Oracle, TreeFlash):
+    def corrected_logp(self, h, root_token, cand):
+        logp = super().corrected_logp(h, root_token, cand).clone()
+        m = cand.shape[1]
+        self._boost(logp[0], 1)
+        for r in range(1, logp.shape[0]):
+            d, j = 1 + (r - 1) // m, (r - 1) % m
+            if int(cand[d - 1, j]) == self._ref(d):  # on the reference path: know the next token
+                self._boost(logp[r], d + 1)
+        return logp.log_softmax(-1)
+
+
+ORACLES = {"chain": OracleChain, "marginal": OracleMarginal, "treeflash": OracleTreeFlash}
+
+
+def run(target, proposer, prompt, n, sampling=SamplingParams(), seed=None, stats=None):
+    return list(decode(target, proposer, prompt, n, sampling, seed=seed, stats=stats, stop_ids=set()))
+
+
+def vanilla(target, prompt, n, sampling=SamplingParams(), seed=None):
+    return run(target, Vanilla(None, target.embed, target.lm_head, TreeParams()), prompt, n, sampling, seed)
+
+
+def oracle(method, target, drafter, reference, budget, top_m=4, top_k=4):
+    p = ORACLES[method](drafter, target.embed, target.lm_head, TreeParams(budget, top_m, top_k))
+    p.reference = reference
+    return p
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    """The real default target (fp32) with a random drafter; loaded once."""
+    import treeflash
+
+    return treeflash.load(drafter="random", dtype="float32", quiet=True)
+
+
+__all__ = ["tiny_target", "tiny_drafter", "oracle", "run", "vanilla", "Stats"]

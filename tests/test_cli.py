@@ -1,0 +1,107 @@
+"""Command line: JSON output, and bad input -> one clear line and exit code 2."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from treeflash.cli import main
+from treeflash.models.drafter import Drafter, DrafterConfig
+
+pytestmark = pytest.mark.slow  # the real default target (cached per process)
+
+
+def cli(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json(capsys):
+    code, out, _ = cli(capsys, "generate", "Say hi.", "--drafter", "random", "--json", "--max-new-tokens", "12",
+                       "--method", "marginal")
+    assert code == 0
+    d = json.loads(out)
+    assert len(d["token_ids"]) == 12 and isinstance(d["text"], str) and d["text"]
+    s = d["stats"]
+    assert sum(s["acceptance_lengths"]) + 1 == 12 and s["steps"] == len(s["acceptance_lengths"])
+    assert s["tokens_per_second"] > 0
+
+
+def test_generate_streams_same_text_as_json(capsys):
+    args = ["generate", "Name a color.", "--drafter", "random", "--max-new-tokens", "10"]
+    code, streamed, err = cli(capsys, *args)
+    assert code == 0 and "tau" in err and "tok/s" in err
+    _, out, _ = cli(capsys, *args, "--json")
+    assert streamed.rstrip("\n") == json.loads(out)["text"]
+
+
+def save_drafter(tmp_path, name, **changes):
+    cfg = DrafterConfig.for_target(_smol_config(), mask_token_id=16)
+    for k, v in changes.items():
+        setattr(cfg, k, v)
+    path = tmp_path / name
+    Drafter(cfg).init_weights().save(path)
+    return str(path)
+
+
+def _smol_config():
+    import treeflash.api as api
+    return api._load_target("smollm2-135m", api.parse_dtype("float32")).config
+
+
+BAD = [
+    (["generate", "   "], "empty prompt"),
+    (["generate", "word " * 9000], "context window"),
+    (["generate", "hi", "--tree-size", "0"], "tree size"),
+    (["generate", "hi", "--top-m", "100000"], "top-m"),
+    (["generate", "hi", "--top-k", "100000"], "top-k"),
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--top-p", "0"], "top-p"),
+    (["generate", "hi", "--top-p", "1.5"], "top-p"),
+    (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+    (["generate", "hi", "--drafter", "/nonexistent/drafter"], "not found"),
+    (["generate", "hi", "--target", "/nonexistent/model"], "target"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD)
+def test_bad_input(capsys, args, message):
+    if "--drafter" not in args:
+        args = args + ["--drafter", "random"]
+    code, _, err = cli(capsys, *args)
+    assert code == 2
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+      "head_dim": 32}, "hidden size"),
+    ({"vocab_size": 1000}, "vocabulary"),
+    ({"target_layer_ids": [2, 40]}, "out of range"),
+    ({"num_target_layers": 12}, "target layers"),
+])
+def test_mismatched_drafter(capsys, tmp_path, change, message):
+    path = save_drafter(tmp_path, "bad", **change)
+    code, _, err = cli(capsys, "generate", "hi", "--drafter", path)
+    assert code == 2 and message in err
+
+
+def test_corrupt_and_missing_checkpoint(capsys, tmp_path):
+    path = save_drafter(tmp_path, "ok")
+    (tmp_path / "ok" / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    code, _, err = cli(capsys, "generate", "hi", "--drafter", path)
+    assert code == 2 and "corrupt" in err
+    (tmp_path / "ok" / "model.safetensors").unlink()
+    code, _, err = cli(capsys, "generate", "hi", "--drafter", path)
+    assert code == 2 and "missing" in err
+    (tmp_path / "ok" / "config.json").write_text("{not json")
+    code, _, err = cli(capsys, "generate", "hi", "--drafter", path)
+    assert code == 2 and "JSON" in err
+
+
+def test_subprocess_exit_code_and_no_traceback():
+    r = subprocess.run([sys.executable, "-m", "treeflash.cli", "generate", "hi", "--temperature", "-2",
+                        "--drafter", "random"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "temperature must be >= 0" in r.stderr

@@ -1,0 +1,92 @@
+"""Greedy losslessness: every method and tree size gives exactly plain greedy decoding (fp32)."""
+import pytest
+import torch
+
+from treeflash.decoding.generate import Stats
+from treeflash.decoding.proposers import TreeParams, make_proposer
+
+from conftest import oracle, run, tiny_drafter, tiny_target, vanilla
+
+METHODS = ["chain", "marginal", "treeflash"]
+BUDGETS = [1, 2, 5, 16, 33]
+PROMPT = list(range(3, 40, 2))
+N = 48
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def setup(request):
+    target = tiny_target(request.param, logit_scale=3.0)
+    drafter = tiny_drafter(target, block_size=8)
+    ref = vanilla(target, PROMPT, N)
+    return target, drafter, ref
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_oracle_drafts_are_lossless(setup, method, budget):
+    """Drafts biased towards the true continuation: long accepted paths, still identical output."""
+    target, drafter, ref = setup
+    stats = Stats()
+    out = run(target, oracle(method, target, drafter, PROMPT + ref, budget), PROMPT, N, stats=stats)
+    assert out == ref
+    assert sum(stats.acceptance_lengths) + 1 == N  # every step's tokens, plus the prefill token
+    if budget >= 5:
+        assert stats.mean_acceptance_length > 1.5, "the oracle should be accepted: the test must bite"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_random_drafter_is_lossless(setup, method):
+    target, drafter, ref = setup
+    proposer = make_proposer(method, drafter, target.embed, target.lm_head, TreeParams(12, 3, 3))
+    assert run(target, proposer, PROMPT, N) == ref
+
+
+def test_vanilla_matches_hf_generate(setup):
+    """Our plain loop equals transformers' own greedy generate."""
+    target, _, ref = setup
+    out = target.model.generate(torch.tensor([PROMPT]), max_new_tokens=N, do_sample=False,
+                                min_new_tokens=N, pad_token_id=0)
+    assert out[0, len(PROMPT):].tolist() == ref
+
+
+def test_max_new_tokens_is_exact(setup):
+    target, drafter, ref = setup
+    for n in (1, 2, 7):
+        assert run(target, oracle("treeflash", target, drafter, PROMPT + ref, 16), PROMPT, n) == ref[:n]
+
+
+def test_context_window_is_honoured():
+    target = tiny_target("llama", max_pos=40, logit_scale=3.0)
+    drafter = tiny_drafter(target)
+    ref = vanilla(target, PROMPT, 100)
+    assert len(PROMPT) + len(ref) == 40 - 1 + 1  # stops when the window is full
+    out = run(target, oracle("marginal", target, drafter, PROMPT + ref, 16), PROMPT, 100)
+    assert out == ref
+
+
+def test_stop_token_ends_generation(setup):
+    target, drafter, ref = setup
+    stop = ref[10]
+    first = ref.index(stop)
+    p = oracle("treeflash", target, drafter, PROMPT + ref, 16)
+    from treeflash.decoding.generate import decode
+    from treeflash.decoding.sampling import SamplingParams
+    stats = Stats()
+    out = list(decode(target, p, PROMPT, N, SamplingParams(), stats=stats, stop_ids={stop}))
+    assert out == ref[:first + 1]
+    assert stats.finish_reason == "stop"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_default_model_is_lossless(default_engine, method):
+    """The real SmolLM2-135M target, random drafter, two tree sizes."""
+    prompt = "Write a Python function that returns the n-th Fibonacci number."
+    ref = default_engine.generate(prompt, method="vanilla", max_new_tokens=40)
+    ids = torch.tensor([default_engine.target.encode(prompt)])
+    hf = default_engine.target.model.generate(ids, max_new_tokens=40, do_sample=False)
+    assert hf[0, ids.shape[1]:].tolist() == ref.token_ids
+    for budget in (4, 24):
+        out = default_engine.generate(prompt, method=method, tree_size=budget, max_new_tokens=40)
+        assert out.token_ids == ref.token_ids
+        assert out.text == ref.text
