@@ -15,6 +15,10 @@ conditioned on a chosen previous token.
 
 Parameter names and config fields follow the published DFlash/TreeFlash drafters: `layers.N.*`,
 `fc`, `hidden_norm`, `norm` (under `model.` in TreeFlash checkpoints) and `ar_approximation.*`.
+Two on-disk layouts (see docs/checkpoints.md):
+- "dflash": z-lab DFlash (`DFlashDraftModel`): body at the top level, no AR-approximation; what the
+  SGLang / vLLM DFlash loaders read.
+- "treeflash": TreeFlash (`TreeFlashDraftModel`): body under `model.`, plus `ar_approximation.*`.
 """
 from __future__ import annotations
 
@@ -30,6 +34,26 @@ from ..errors import TreeflashError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {tensor: file}}
+FORMATS = ("dflash", "treeflash")
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "treeflash": "TreeFlashDraftModel"}
+# trust_remote_code entry points of the published repos (the .py files are not shipped by us)
+AUTO_MAPS = {"dflash": {"AutoModel": "dflash.DFlashDraftModel"},
+             "treeflash": {"AutoModel": "tree_flash.TreeFlashDraftModel"}}
+AR_NORM_EPS = 1e-6  # the published SwiGLU AR-approximation hard-codes its norm's eps
+# Published loaders build a transformers Qwen3Config, so its defaults apply to absent fields.
+QWEN3_DEFAULTS = {
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "max_position_embeddings": 32768, "attention_bias": False,
+    "hidden_act": "silu",
+}
+# dflash_config keys of later DFlash variants whose math this drafter does not implement,
+# with the value that means "off".
+UNSUPPORTED_DFLASH_KEYS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
+                           "final_logit_softcapping": None, "attention_sink_bias": False,
+                           "use_swa": False, "causal": False, "conv_kernel_size": None,
+                           "selector_rank": None, "projector_type": "dflash"}
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -49,7 +73,7 @@ class DrafterConfig:
     num_key_value_heads: int
     head_dim: int
     vocab_size: int
-    num_target_layers: int
+    num_target_layers: int | None  # None: the checkpoint did not say (target_layer_ids given)
     target_layer_ids: list[int]
     mask_token_id: int
     block_size: int = 16
@@ -59,7 +83,7 @@ class DrafterConfig:
     attention_bias: bool = False
     ar_approximation: str | None = "swiglu"  # None: plain DFlash drafter
     ar_intermediate_size: int | None = None  # defaults to intermediate_size
-    candidate_tokens: int = 8  # TreeFlash stage-1 top-m used in training/eval by default
+    candidate_tokens: int = 16  # published TreeFlash: default tree size (nodes verified, root included)
     extra: dict = field(default_factory=dict)  # unknown config.json fields, kept on round trips
 
     @property
@@ -85,62 +109,142 @@ class DrafterConfig:
             max_position_embeddings=tcfg.max_position_embeddings,
             ar_approximation="swiglu" if treeflash else None, **kw)
 
+    @property
+    def default_format(self) -> str:
+        return "treeflash" if self.ar_approximation else "dflash"
+
     # ---- HF-style config.json in the published layout ----
-    def to_dict(self) -> dict:
+    def to_dict(self, fmt: str | None = None) -> dict:
+        """config.json for `fmt` ("dflash" | "treeflash"; default: treeflash iff there is an AR part)."""
+        fmt = _check_format(fmt or self.default_format)
+        n = self.num_hidden_layers
         d = {
-            "architectures": ["TreeFlashDraftModel" if self.ar_approximation else "DFlashDraftModel"],
+            "architectures": [ARCHITECTURES[fmt]], "auto_map": dict(AUTO_MAPS[fmt]),
             "model_type": "qwen3",
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": n, "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
             "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
             "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": self.attention_bias, "hidden_act": "silu",
-            "tie_word_embeddings": False,
-            "block_size": self.block_size, "num_target_layers": self.num_target_layers,
+            "attention_bias": self.attention_bias, "attention_dropout": 0.0, "hidden_act": "silu",
+            "layer_types": ["full_attention"] * n, "sliding_window": None, "use_sliding_window": False,
+            "max_window_layers": n, "tie_word_embeddings": False, "use_cache": True,
+            "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id,
                               "target_layer_ids": list(self.target_layer_ids)},
         }
-        if self.ar_approximation:
-            d["treeflash_config"] = {"ar_approximation": self.ar_approximation,
-                                     "candidate_tokens": self.candidate_tokens,
-                                     "intermediate_size": self.ar_size}
+        if self.num_target_layers is not None:
+            d["num_target_layers"] = self.num_target_layers
+        if fmt == "treeflash":
+            tf = {"ar_approximation": self.ar_approximation, "candidate_tokens": self.candidate_tokens}
+            if self.ar_size != self.intermediate_size:  # our extension; published code assumes equal
+                tf["intermediate_size"] = self.ar_size
+            d["treeflash_config"] = tf
         return {**self.extra, **d}
 
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterConfig":
+        """Parse a published DFlash / TreeFlash config.json (or ours)."""
+        if not isinstance(d, dict):
+            raise TreeflashError("bad drafter config: config.json is not a JSON object")
         try:
-            dfl = d.get("dflash_config") or {}
-            tf = d.get("treeflash_config") or {}
-            rope = d.get("rope_parameters") or {}
-            L = int(d["num_target_layers"])
-            n = int(d["num_hidden_layers"])
-            known = set(cls.__dataclass_fields__) | {"dflash_config", "treeflash_config",
-                                                      "rope_parameters"}
-            return cls(
-                hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
-                num_hidden_layers=n, num_attention_heads=int(d["num_attention_heads"]),
-                num_key_value_heads=int(d.get("num_key_value_heads", d["num_attention_heads"])),
-                head_dim=int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]),
-                vocab_size=int(d["vocab_size"]), num_target_layers=L,
-                target_layer_ids=[int(i) for i in dfl.get("target_layer_ids")
-                                  or default_target_layer_ids(L, n)],
-                mask_token_id=int(dfl["mask_token_id"]),
-                block_size=int(d.get("block_size", 16)),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))),
-                max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-                attention_bias=bool(d.get("attention_bias", False)),
-                ar_approximation=tf.get("ar_approximation") if tf else None,
-                ar_intermediate_size=tf.get("intermediate_size"),
-                candidate_tokens=int(tf.get("candidate_tokens", 8)),
-                extra={k: v for k, v in d.items() if k not in known},
-            )
+            return cls._from_dict(d)
+        except TreeflashError:
+            raise
         except (KeyError, TypeError, ValueError) as e:
             raise TreeflashError(f"bad drafter config: missing or invalid field {e}") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict) -> "DrafterConfig":
+        dfl, tf = _sub_dict(d, "dflash_config"), _sub_dict(d, "treeflash_config")
+        _check_supported(d, dfl, tf)
+
+        def get(key):  # absent -> the Qwen3Config default, as in the published loaders
+            return d.get(key, QWEN3_DEFAULTS[key])
+
+        n = int(get("num_hidden_layers"))
+        L = dfl.get("num_target_layers", d.get("num_target_layers"))
+        L = None if L is None else int(L)
+        ids = dfl.get("target_layer_ids", d.get("target_layer_ids"))
+        if ids is None:
+            if L is None:
+                raise TreeflashError("bad drafter config: neither dflash_config.target_layer_ids nor "
+                                     "num_target_layers is set")
+            ids = default_target_layer_ids(L, n)  # the DFlash rule, one tap per drafter layer
+        if not isinstance(ids, list) or not ids:
+            raise TreeflashError(f"bad drafter config: dflash_config.target_layer_ids must be a "
+                                 f"non-empty list of layer ids, got {ids!r}")
+        mask = dfl.get("mask_token_id", d.get("mask_token_id"))
+        if mask is None or isinstance(mask, bool):
+            raise TreeflashError("bad drafter config: dflash_config.mask_token_id is missing (a token id "
+                                 "of the target vocabulary, e.g. 151669 for Qwen3)")
+        known = set(cls.__dataclass_fields__) | {"dflash_config", "treeflash_config", "rope_parameters",
+                                                 "rope_scaling", "hidden_act"}
+        return cls(
+            hidden_size=int(get("hidden_size")), intermediate_size=int(get("intermediate_size")),
+            num_hidden_layers=n, num_attention_heads=int(get("num_attention_heads")),
+            num_key_value_heads=int(get("num_key_value_heads")), head_dim=int(get("head_dim")),
+            vocab_size=int(get("vocab_size")), num_target_layers=L,
+            target_layer_ids=[int(i) for i in ids], mask_token_id=int(mask),
+            block_size=int(dfl.get("block_size", d.get("block_size", 16))),
+            rms_norm_eps=float(get("rms_norm_eps")), rope_theta=_rope_theta(d),
+            max_position_embeddings=int(get("max_position_embeddings")),
+            attention_bias=bool(get("attention_bias")),
+            ar_approximation=tf.get("ar_approximation"),
+            ar_intermediate_size=tf.get("intermediate_size"),
+            candidate_tokens=int(tf.get("candidate_tokens", 16)),
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+
+def _check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise TreeflashError(f"unknown drafter format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def _sub_dict(d: dict, key: str) -> dict:
+    v = d.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise TreeflashError(f"bad drafter config: {key} must be a JSON object, got {type(v).__name__}")
+    return v
+
+
+def _rope_theta(d: dict) -> float:
+    rope = _sub_dict(d, "rope_parameters")
+    return float(rope.get("rope_theta", d.get("rope_theta", QWEN3_DEFAULTS["rope_theta"])))
+
+
+def _check_supported(d: dict, dfl: dict, tf: dict) -> None:
+    """Refuse configs whose math this drafter does not implement (instead of drafting garbage)."""
+    arch = (d.get("architectures") or [None])[0]
+    if arch is not None and arch not in ARCHITECTURES.values():
+        raise TreeflashError(f"unsupported drafter architecture {arch!r}; supported: "
+                             f"{', '.join(ARCHITECTURES.values())}")
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = _sub_dict(d, key)
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise TreeflashError(f"unsupported drafter RoPE type {kind!r} ({key}); only 'default' is supported")
+        if float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise TreeflashError("unsupported drafter config: partial_rotary_factor != 1")
+    if d.get("hidden_act", "silu") != "silu":
+        raise TreeflashError(f"unsupported drafter activation {d['hidden_act']!r}; only 'silu' is supported")
+    kinds = set(d.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"} or d.get("is_causal"):
+        raise TreeflashError(f"unsupported drafter attention (layer_types {sorted(kinds)}, is_causal "
+                             f"{d.get('is_causal')}); only non-causal full attention is supported")
+    for key, off in UNSUPPORTED_DFLASH_KEYS.items():
+        if dfl.get(key, off) != off:
+            raise TreeflashError(f"unsupported drafter config: dflash_config.{key}={dfl[key]!r} "
+                                 "(a DFlash variant this engine does not implement)")
+    ar = tf.get("ar_approximation")
+    if ar not in (None, "swiglu"):
+        raise TreeflashError(f"unsupported treeflash_config.ar_approximation {ar!r}; expected 'swiglu' or null")
 
 
 class RMSNorm(nn.Module):
@@ -239,7 +343,7 @@ class ARApproximation(nn.Module):
 
     def __init__(self, c: DrafterConfig):
         super().__init__()
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, AR_NORM_EPS)  # fixed eps, as published
         self.ug = nn.Linear(2 * c.hidden_size, 2 * c.ar_size, bias=True)
         self.d = nn.Linear(c.ar_size, c.hidden_size, bias=False)
 
@@ -323,75 +427,147 @@ class Drafter(nn.Module):
         return self.model.norm(h)
 
     # ---- I/O ----
-    def save(self, out_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> None:
+    def state_dict_for(self, fmt: str | None = None) -> dict[str, torch.Tensor]:
+        """Tensors under the published names of `fmt` (dflash: top level, without the AR part)."""
+        fmt = _check_format(fmt or self.config.default_format)
+        sd = self.state_dict()
+        if fmt == "dflash":
+            return {k.removeprefix("model."): v for k, v in sd.items() if k.startswith("model.")}
+        if self.ar_approximation is None:
+            raise TreeflashError("this drafter has no TreeFlash AR-approximation; export it with --format dflash")
+        return dict(sd)
+
+    def save(self, out_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16,
+             fmt: str | None = None) -> Path:
+        """Write config.json + model.safetensors in the published layout `fmt` (default: treeflash
+        when there is an AR-approximation, else dflash). Returns the directory."""
         from safetensors.torch import save_file
 
+        fmt = _check_format(fmt or self.config.default_format)
+        sd = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu()
+              for k, v in self.state_dict_for(fmt).items()}
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        sd = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in self.state_dict().items()}
-        if self.ar_approximation is None:  # DFlash layout keeps the body at the top level
-            sd = {k.removeprefix("model."): v for k, v in sd.items()}
         tmp = out / (WEIGHTS_NAME + ".tmp")
         save_file(sd, str(tmp), metadata={"format": "pt"})
         tmp.replace(out / WEIGHTS_NAME)
-        (out / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        (out / INDEX_NAME).unlink(missing_ok=True)  # a stale index would shadow the new file
+        cfg = self.config.to_dict(fmt)
+        cfg["dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")
+        (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
+        return out
 
 
 def _normalise_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """DFlash checkpoints keep the body at the top level; ours nest it under `model.`."""
-    return {k if k.startswith(("model.", "ar_approximation.")) else "model." + k: v for k, v in sd.items()}
+    """Published names -> ours: DFlash keeps the body at the top level, TreeFlash (and we) under
+    `model.`; `ar_approximation.*` stays. Rotary caches that some exporters save are dropped."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("rotary_emb.inv_freq"):
+            continue
+        out[k if k.startswith(("model.", "ar_approximation.")) else "model." + k] = v
+    return out
 
 
-def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> Drafter:
-    """Load a drafter directory (config.json + model.safetensors, DFlash or TreeFlash layout)."""
+def _read_json(f: Path, what: str):
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise TreeflashError(f"{what} {f}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TreeflashError(f"{what} {f}: cannot read ({e})") from None
+
+
+def weight_files(p: Path) -> list[Path]:
+    """The safetensors files of a drafter directory: the shards named by the index, or the single file."""
+    index = p / INDEX_NAME
+    if index.exists():
+        data = _read_json(index, "drafter index")
+        wm = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wm, dict) or not wm:
+            raise TreeflashError(f"drafter index {index}: no weight_map")
+        files = [p / f for f in sorted(set(wm.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise TreeflashError(f"drafter {p}: shards named in {INDEX_NAME} are missing: {', '.join(missing)}")
+        return files
+    if (p / WEIGHTS_NAME).exists():
+        return [p / WEIGHTS_NAME]
+    raise TreeflashError(f"drafter {p}: missing {WEIGHTS_NAME} (or {INDEX_NAME} for a sharded checkpoint)")
+
+
+def read_weights(p: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    sd: dict[str, torch.Tensor] = {}
+    for f in weight_files(p):
+        try:
+            part = load_file(str(f))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise TreeflashError(f"drafter {f}: corrupt safetensors file ({str(e).splitlines()[0]})") from None
+        dup = sorted(set(part) & set(sd))
+        if dup:
+            raise TreeflashError(f"drafter {p}: tensors stored twice across shards: {_names(dup)}")
+        sd.update(part)
+    return sd
+
+
+def _names(names: list[str], limit: int = 6) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _check_tensors(p: Path, model: Drafter, sd: dict[str, torch.Tensor]) -> None:
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
+    if missing:
+        raise TreeflashError(f"drafter {p}: missing tensors {_names(missing)}"
+                             + (f"; unexpected tensors {_names(unexpected)}" if unexpected else ""))
+    if unexpected:
+        hint = (" (an AR-approximation without treeflash_config.ar_approximation in config.json)"
+                if any(k.startswith("ar_approximation.") for k in unexpected) else "")
+        raise TreeflashError(f"drafter {p}: unexpected tensors {_names(unexpected)}{hint}")
+    for k, v in expected.items():
+        if sd[k].shape != v.shape:
+            raise TreeflashError(f"drafter {p}: tensor {k} has shape {tuple(sd[k].shape)}, "
+                                 f"config.json implies {tuple(v.shape)}")
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> Drafter:
+    """Load a drafter directory: config.json + model.safetensors (or shards with an index), in the
+    published DFlash or TreeFlash layout, or ours."""
     p = Path(path)
+    if not p.is_dir():
+        raise TreeflashError(f"drafter {p}: not a directory")
     cfg_file = p / CONFIG_NAME
     if not cfg_file.exists():
         raise TreeflashError(f"drafter {p}: missing {CONFIG_NAME}")
-    try:
-        cfg = DrafterConfig.from_dict(json.loads(cfg_file.read_text()))
-    except json.JSONDecodeError as e:
-        raise TreeflashError(f"drafter {cfg_file}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    files = sorted(p.glob("model*.safetensors"))
-    if not files:
-        raise TreeflashError(f"drafter {p}: missing {WEIGHTS_NAME}")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            sd.update(load_file(str(f)))
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise TreeflashError(f"drafter {f}: corrupt safetensors file ({str(e).splitlines()[0]})") from None
-    model = Drafter(cfg)
-    sd = _normalise_keys(sd)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
-    if missing or unexpected:
-        raise TreeflashError(f"drafter {p}: missing tensors {missing[:5]} unexpected tensors {unexpected[:5]}")
-    for k, v in model.state_dict().items():
-        if sd[k].shape != v.shape:
-            raise TreeflashError(f"drafter {p}: tensor {k} has shape {tuple(sd[k].shape)}, "
-                                 f"config implies {tuple(v.shape)}")
-    model.load_state_dict(sd)
-    return model.to(dtype).eval()
+    cfg = DrafterConfig.from_dict(_read_json(cfg_file, "drafter config"))
+    sd = _normalise_keys(read_weights(p))
+    with torch.device("meta"):  # no random init: every tensor comes from the file
+        model = Drafter(cfg)
+    _check_tensors(p, model, sd)
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True)
+    return model.eval()
 
 
 def check_fits(cfg: DrafterConfig, tcfg, vocab_rows: int) -> None:
-    """Raise a clear error when a drafter cannot serve a target."""
+    """Raise a clear error when a drafter cannot serve a target (HF config `tcfg`)."""
+    tcfg = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
+    n_layers = tcfg.num_hidden_layers
     if cfg.hidden_size != tcfg.hidden_size:
         raise TreeflashError(f"drafter hidden size {cfg.hidden_size} does not match the target's {tcfg.hidden_size}")
     if cfg.vocab_size != vocab_rows:
         raise TreeflashError(f"drafter vocabulary {cfg.vocab_size} does not match the target's {vocab_rows}")
-    if cfg.num_target_layers != tcfg.num_hidden_layers:
+    if cfg.num_target_layers is not None and cfg.num_target_layers != n_layers:
         raise TreeflashError(f"drafter was built for {cfg.num_target_layers} target layers; "
-                             f"the target has {tcfg.num_hidden_layers}")
-    bad = [i for i in cfg.target_layer_ids if not 0 <= i < tcfg.num_hidden_layers]
+                             f"the target has {n_layers}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < n_layers]
     if bad:
-        raise TreeflashError(f"drafter target_layer_ids {bad} out of range for a "
-                             f"{tcfg.num_hidden_layers}-layer target")
+        raise TreeflashError(f"drafter target_layer_ids {bad} out of range for a {n_layers}-layer target")
     if not 0 <= cfg.mask_token_id < vocab_rows:
-        raise TreeflashError(f"drafter mask_token_id {cfg.mask_token_id} outside the target vocabulary")
+        raise TreeflashError(f"drafter mask_token_id {cfg.mask_token_id} outside the target vocabulary "
+                             f"(0..{vocab_rows - 1})")
     if cfg.block_size < 2:
         raise TreeflashError(f"drafter block_size {cfg.block_size} must be at least 2")
