@@ -278,3 +278,14 @@ def test_corrupt_feature_shard(env, tmp_path):
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(TreeflashError, match="corrupt"):
         Trainer(config(env, "corrupt", features=[str(bad)]), env["target"])
+
+
+def test_target_labels_are_target_greedy_choices(env):
+    from treeflash.models.drafter import default_target_layer_ids
+
+    store = F.FeatureStore(env["files"], default_target_layer_ids(4, 2), 32, target_labels=True)
+    raw = F.FeatureStore(env["files"], default_target_layer_ids(4, 2), 32)
+    s, r = store.get(3), raw.get(3)
+    p = s["prompt_len"]
+    assert torch.equal(s["ids"][:p], r["ids"][:p])  # the prompt is kept
+    assert torch.equal(s["ids"][p:], r["top_idx"][p - 1:-1, 0].long())  # response := target top-1

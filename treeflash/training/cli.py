@@ -32,6 +32,14 @@ def register(sub) -> None:
     f.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     f.set_defaults(func=run_features)
 
+    hp = st.add_parser("pairs", help="ShareGPT (user, assistant) pairs as shards (train with --target-labels)")
+    hp.add_argument("--target", default="smollm2-135m")
+    hp.add_argument("--out", required=True)
+    hp.add_argument("-n", type=int, default=2000, help="pairs to write")
+    hp.add_argument("--train-prompts", default="data/prompts/train.jsonl", help="only these prompt ids are used")
+    hp.add_argument("--max-len", type=int, default=768)
+    hp.set_defaults(func=run_pairs)
+
     t = st.add_parser("fit", help="train a drafter on cached features (torchrun for DDP)")
     t.add_argument("--target", default="smollm2-135m")
     t.add_argument("--features", required=True, nargs="+", help="feature directories or files")
@@ -54,6 +62,11 @@ def register(sub) -> None:
     e.add_argument("checkpoint", help="a run's best/ or last/ directory, or a drafter directory")
     e.add_argument("out")
     e.set_defaults(func=run_export)
+
+    pl = st.add_parser("plot", help="loss and per-position accuracy curves of runs (PNG)")
+    pl.add_argument("runs", nargs="+", help="run directories (with log.jsonl)")
+    pl.add_argument("--out", required=True, help="PNG file")
+    pl.set_defaults(func=run_plot)
 
     m = st.add_parser("tau", help="acceptance length on held-out prompts (greedy)")
     m.add_argument("--target", default="smollm2-135m")
@@ -98,6 +111,18 @@ def run_features(args) -> int:
     return 0
 
 
+def run_pairs(args) -> int:
+    from ..models.target import Target
+    from .features import human_pair_shards
+
+    if not Path(args.train_prompts).is_file():
+        raise TreeflashError(f"missing {args.train_prompts}; run `treeflash data prompts` first")
+    target = Target.load(args.target)
+    n = human_pair_shards(target, args.out, args.n, args.train_prompts, args.max_len)
+    print(f"wrote {n} pairs to {args.out}")
+    return 0
+
+
 def run_fit(args) -> int:
     from ..models.target import Target
     from .trainer import TrainConfig, Trainer
@@ -118,6 +143,44 @@ def run_export(args) -> int:
 
     out = export(args.checkpoint, args.out)
     print(f"exported {args.checkpoint} -> {out} (bf16)")
+    return 0
+
+
+def read_log(run: Path) -> tuple[list[dict], list[dict]]:
+    """(train records, validation records) of a run's log.jsonl."""
+    p = Path(run) / "log.jsonl"
+    if not p.exists():
+        raise TreeflashError(f"no log.jsonl in {run}")
+    recs = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+    return [r for r in recs if "loss" in r], [r for r in recs if "val_loss" in r]
+
+
+def run_plot(args) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for run in args.runs:
+        tr, va = read_log(Path(run))
+        name = Path(run).name
+        ax[0].plot([r["step"] for r in tr], [r["loss"] for r in tr], alpha=0.5, label=f"{name} train")
+        if va:
+            ax[0].plot([r["step"] for r in va], [r["val_loss"] for r in va], "o-", label=f"{name} val")
+            for key, col in (("val_acc", 1), ("val_acc_ar", 2)):
+                depth = len(va[0][key])
+                for k in range(min(depth, 4)):
+                    ax[col].plot([r["step"] for r in va], [r[key][k] for r in va], "o-", label=f"{name} pos {k + 1}")
+    ax[0].set(title="loss (weighted, marginal + corrected)", xlabel="step")
+    ax[1].set(title="val top-1 accuracy, marginal head", xlabel="step")
+    ax[2].set(title="val top-1 accuracy, TreeFlash corrected (teacher-forced)", xlabel="step")
+    for a in ax:
+        a.legend(fontsize=7)
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -167,9 +167,10 @@ def check_feature_file(path: Path, layer_ids: list[int], hidden_size: int) -> di
 class FeatureStore:
     """All cached sequences, indexed globally; tensors are read lazily (memory-mapped) per shard."""
 
-    def __init__(self, files: list[Path], layer_ids: list[int], hidden_size: int):
+    def __init__(self, files: list[Path], layer_ids: list[int], hidden_size: int, target_labels: bool = False):
         from safetensors import safe_open
 
+        self.target_labels = target_labels
         if not files:
             raise TreeflashError("no feature shards to train on")
         self.files = [Path(f) for f in files]
@@ -197,9 +198,13 @@ class FeatureStore:
         ids, offs, plens = self._small_of(fi)
         a, b = int(offs[si]), int(offs[si + 1])
         h = self.handles[fi]
-        return {"ids": ids[a:b], "prompt_len": int(plens[si]),
-                "feats": h.get_slice("feats")[a:b], "top_idx": h.get_slice("top_idx")[a:b],
-                "top_logp": h.get_slice("top_logp")[a:b]}
+        seq_ids, plen = ids[a:b], int(plens[si])
+        top_idx = h.get_slice("top_idx")[a:b]  # [T, K]
+        if self.target_labels:  # response tokens := the target's greedy choice given the prefix
+            seq_ids = seq_ids.clone()
+            seq_ids[plen:] = top_idx[plen - 1:-1, 0].long()
+        return {"ids": seq_ids, "prompt_len": plen, "feats": h.get_slice("feats")[a:b],
+                "top_idx": top_idx, "top_logp": h.get_slice("top_logp")[a:b]}
 
     def token_counts(self, vocab: int) -> torch.Tensor:
         """[vocab] counts of response tokens over all shards (for the draft vocabulary)."""
@@ -213,3 +218,47 @@ class FeatureStore:
 
     def num_tokens(self) -> int:
         return sum(int(self._small_of(fi)[1][-1]) for fi in range(len(self.files)))
+
+
+def human_pair_shards(target: Target, out_dir: str | Path, n: int, train_prompts: str | Path,
+                      max_len: int = 768, shard_size: int = 256) -> int:
+    """ShareGPT (first user turn, first assistant turn) pairs as shards in the regen format.
+
+    Only records whose id is in `train_prompts` (the training split) are used, so held-out and
+    evaluation prompts stay out. Train with `--target-labels`: the response tokens are replaced by
+    the target's own greedy choice given the prefix, from the cached top-1 (no generation needed).
+    """
+    from .data import iter_json_array, sharegpt_path
+
+    keep = set()
+    for line in Path(train_prompts).read_text().split("\n"):
+        if line.strip():
+            keep.add(json.loads(line)["id"].removeprefix("sharegpt/"))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    text = sharegpt_path().read_text(encoding="utf-8", errors="replace")
+    eos = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = eos if isinstance(eos, int) and eos >= 0 else target.tokenizer.eos_token_id
+    rows, shard, count = [], 0, 0
+    for rec in iter_json_array(text):
+        if count >= n:
+            break
+        turns = rec.get("conversations") or []
+        if str(rec.get("id")) not in keep or len(turns) < 2:
+            continue
+        user, bot = turns[0], turns[1]
+        if user.get("from") not in ("human", "user") or bot.get("from") != "gpt" or not str(bot.get("value", "")).strip():
+            continue
+        prompt = target.apply_chat([{"role": "user", "content": user["value"]}])
+        resp = target.tokenizer(bot["value"].strip(), add_special_tokens=False)["input_ids"] + [eos]
+        if len(prompt) > max_len // 2:
+            continue
+        ids = (prompt + resp)[:max_len]
+        rows.append(json.dumps({"id": f"pair/{rec['id']}", "input_ids": ids, "prompt_len": len(prompt)}))
+        count += 1
+        if len(rows) == shard_size:
+            (out / f"shard-{shard:05d}.jsonl").write_text("\n".join(rows) + "\n")
+            rows, shard = [], shard + 1
+    if rows:
+        (out / f"shard-{shard:05d}.jsonl").write_text("\n".join(rows) + "\n")
+    return count

@@ -59,6 +59,7 @@ class TrainConfig:
     bf16: bool = False
     seed: int = 0
     max_minutes: float = 0.0  # stop (with a checkpoint) after this long; 0 = no limit
+    target_labels: bool = False  # response labels := target's greedy top-1 (for human-written data)
 
     def check(self) -> "TrainConfig":
         def bad(msg):
@@ -250,7 +251,8 @@ class Trainer:
         self.drafter = build_drafter(cfg, target)
         check_fits(self.drafter.config, target.config, target.vocab_rows)
         dc = self.drafter.config
-        self.store = FeatureStore([Path(f) for f in cfg.features], dc.target_layer_ids, dc.hidden_size)
+        self.store = FeatureStore([Path(f) for f in cfg.features], dc.target_layer_ids, dc.hidden_size,
+                                  cfg.target_labels)
         n = len(self.store)
         self.n_val = min(cfg.val_seqs, n // 4)
         self.n_train = n - self.n_val
