@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (`treeflash serve`) and terminal chat (`treeflash chat`)."""

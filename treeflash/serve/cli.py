@@ -1,0 +1,117 @@
+"""`treeflash serve` (OpenAI-compatible HTTP server) and `treeflash chat` (terminal chat)."""
+from __future__ import annotations
+
+import ipaddress
+import socket
+import sys
+
+from ..errors import TreeflashError
+
+
+def register(sub) -> None:
+    from ..cli import add_engine_args, add_sampling_args
+
+    p = sub.add_parser("serve", help="serve the OpenAI API (chat/completions, completions, models, metrics)")
+    add_engine_args(p)
+    add_sampling_args(p)  # the defaults for requests that leave these fields out
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: --target)")
+    p.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt in tokens (default: the context window)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run_serve)
+
+    c = sub.add_parser("chat", help="chat in the terminal (streaming, multi-turn; /reset, /exit)")
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.add_argument("--system", default=None, help="a system message for the conversation")
+    c.set_defaults(func=run_chat)
+
+
+def _load_engine(args):
+    from .. import api
+
+    return api.load(args.target, args.drafter, dtype=args.dtype, seed=args.seed or 0,
+                    quiet=args.method == "vanilla")
+
+
+def _check_bind(host: str, port: int) -> None:
+    if not 0 < port < 65536:
+        raise TreeflashError(f"port must be in 1..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise TreeflashError(f"cannot resolve host {host!r}: {e.strerror or e}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise TreeflashError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _config(args, model_name: str):
+    from .worker import ServeConfig
+
+    for name in ("max_tokens_limit", "max_new_tokens", "max_queue"):
+        if getattr(args, name) < 1:
+            raise TreeflashError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_new_tokens > args.max_tokens_limit:
+        raise TreeflashError(f"--max-new-tokens {args.max_new_tokens} exceeds --max-tokens-limit {args.max_tokens_limit}")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise TreeflashError("--max-prompt-tokens must be >= 1")
+    return ServeConfig(model_name=model_name, method=args.method, tree_size=args.tree_size, top_m=args.top_m,
+                       top_k=args.top_k, temperature=args.temperature, top_p=args.top_p,
+                       sampling_top_k=args.sampling_top_k, default_max_tokens=args.max_new_tokens,
+                       max_tokens_limit=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
+                       api_key=args.api_key, max_queue=args.max_queue)
+
+
+def _warm_up(engine, config) -> None:
+    """One tiny generation with the server's settings: bad options fail here, not per request."""
+    engine.generate("Hello", chat=False, method=config.method, max_new_tokens=2,
+                    temperature=config.temperature, top_p=config.top_p, sampling_top_k=config.sampling_top_k,
+                    tree_size=config.tree_size, top_m=config.top_m, top_k=config.top_k)
+
+
+def run_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as e:
+        raise TreeflashError(f"treeflash serve needs {e.name}: pip install 'treeflash[serve]'") from None
+    config = _config(args, args.served_model_name or args.target)
+    _check_bind(args.host, args.port)
+    if not _is_loopback(args.host) and not args.api_key:
+        print(f"treeflash: warning: serving on {args.host} without --api-key", file=sys.stderr)
+    engine = _load_engine(args)
+    _warm_up(engine, config)
+    app = create_app(engine, config)
+    print(f"treeflash: serving {config.model_name!r} ({args.method}, tree size {args.tree_size}) "
+          f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def run_chat(args) -> int:
+    from ..cli_generate import engine_kwargs
+    from .chat import HELP, ChatSession, line_reader
+
+    engine = _load_engine(args)
+    session = ChatSession(engine, engine_kwargs(args), system=args.system)
+    print(f"treeflash chat: {args.target} ({args.method}). {HELP}", file=sys.stderr, flush=True)
+    return session.run(line_reader(sys.stdin))

@@ -1,0 +1,237 @@
+"""One worker thread runs generations, one at a time, from a FIFO queue.
+
+The engine is batch-size 1 and not thread-safe, so every engine and tokenizer call happens on
+this thread. Each request is a `Job`: the worker streams its events (`text`, then `done` or
+`error`) into the job's asyncio queue on the server's event loop; the HTTP handler reads them.
+A job whose client went away is marked cancelled and the worker stops it before the next token.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from jinja2 import TemplateError
+
+from ..decoding.generate import Stats
+from ..errors import TreeflashError
+from .metrics import Metrics
+from .schemas import ApiError
+
+
+@dataclass
+class ServeConfig:
+    model_name: str
+    method: str = "treeflash"
+    tree_size: int = 16
+    top_m: int = 8
+    top_k: int = 8
+    temperature: float = 0.0        # used when a request does not say
+    top_p: float = 1.0
+    sampling_top_k: int = 0
+    default_max_tokens: int = 256
+    max_tokens_limit: int = 4096    # larger max_tokens -> 400
+    max_prompt_tokens: int | None = None  # None -> the context window
+    api_key: str | None = None
+    max_queue: int = 64             # more waiting requests -> 429
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    tau: float          # this request's mean acceptance length
+
+
+@dataclass
+class Job:
+    prompt: str | list[dict] | list[int]
+    chat: bool            # apply the chat template to a string prompt
+    param: str            # request field the prompt came from (for error messages)
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+    checked_at: float = field(default_factory=time.monotonic)  # last client-connection check
+
+    def emit(self, kind: str, value) -> None:
+        """Hand an event to the request's coroutine (thread-safe)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            self.cancelled.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class TextAssembler:
+    """Token ids -> text pieces; holds back text that could be the start of a stop string."""
+
+    def __init__(self, tokenizer, stop_ids: set[int], stops: list[str]):
+        self.tokenizer, self.stop_ids, self.stops = tokenizer, stop_ids, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""   # decoded so far
+        self.sent = ""   # the prefix of `text` already handed out
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        """Returns the new text to send (maybe ""); sets `stopped` when a stop string appears."""
+        if token in self.stop_ids:
+            return ""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        self.text = text
+        cut = self._first_stop(max(0, len(self.sent) - self.hold))
+        if cut is not None:
+            self.stopped = True
+            return self._advance(cut)
+        return self._advance(len(text) - self.hold)
+
+    def flush(self) -> str:
+        """The held-back tail once generation ends (nothing after a stop string)."""
+        if self.stopped:
+            return ""
+        if self.ids and not self.text:  # only an incomplete UTF-8 tail was seen
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self._advance(len(self.text))
+
+    def _first_stop(self, start: int) -> int | None:
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _advance(self, end: int) -> str:
+        if end <= len(self.sent):
+            return ""
+        piece = self.text[len(self.sent):end]
+        self.sent += piece
+        return piece
+
+
+class Worker:
+    def __init__(self, engine, config: ServeConfig, metrics: Metrics):
+        self.engine, self.config, self.metrics = engine, config, metrics
+        self.queue: queue.Queue[Job | None] = queue.Queue()
+        self.running = 0
+        self.current: Job | None = None  # the job being generated
+        self.thread = threading.Thread(target=self._loop, name="treeflash-worker", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Cancel the running and queued jobs, then end the thread."""
+        if self.current is not None:
+            self.current.cancel()
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+        self.queue.put(None)
+        self.thread.join(timeout=10)
+
+    def submit(self, job: Job) -> None:
+        if self.queue.qsize() >= self.config.max_queue:
+            raise ApiError(429, f"server busy: {self.queue.qsize()} requests waiting; retry later",
+                           code="server_busy", type_="rate_limit_error")
+        self.queue.put(job)
+        self._update_load()
+
+    def _update_load(self) -> None:
+        self.metrics.set_load(self.running, self.queue.qsize())
+
+    def _loop(self) -> None:
+        while True:
+            job = self.queue.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():  # its client left while it waited
+                self.metrics.record_generation(Stats(), 0, "abort", time.perf_counter() - job.arrived)
+                self._update_load()
+                continue
+            self.running, self.current = 1, job
+            self._update_load()
+            try:
+                self._run(job)
+            except Exception as e:  # a bug: report it, answer 500, keep serving
+                traceback.print_exc(file=sys.stderr)
+                job.emit("error", ApiError(500, f"internal error: {type(e).__name__}"))
+            finally:
+                self.running, self.current = 0, None
+                self._update_load()
+
+    def _run(self, job: Job) -> None:
+        self.metrics.observe_queue_time(time.perf_counter() - job.arrived)
+        try:
+            ids = self._encode(job)
+        except ApiError as e:
+            return job.emit("error", e)
+        except TreeflashError as e:
+            return job.emit("error", ApiError(400, str(e), param=job.param))
+        except TemplateError as e:  # the chat template refused these messages
+            return job.emit("error", ApiError(400, f"the chat template rejects these messages: {e}",
+                                              param=job.param))
+        stats = Stats()
+        try:
+            finish, n_tokens = self._generate(job, ids, stats)
+        except TreeflashError as e:  # bad sampling values etc.: nothing was sent yet
+            return job.emit("error", ApiError(400, str(e)))
+        stats.prompt_tokens = len(ids)
+        self.metrics.record_generation(stats, n_tokens, finish, time.perf_counter() - job.arrived)
+        job.emit("done", Done(finish, len(ids), n_tokens, stats.mean_acceptance_length))
+
+    def _encode(self, job: Job) -> list[int]:
+        target = self.engine.target
+        ids = target.encode(job.prompt, chat=job.chat)
+        limit = target.max_length - 1
+        if self.config.max_prompt_tokens is not None:
+            limit = min(limit, self.config.max_prompt_tokens)
+        if len(ids) > limit:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; at most {limit} are allowed "
+                           f"(context window {target.max_length})", param=job.param,
+                           code="context_length_exceeded")
+        return ids
+
+    def _generate(self, job: Job, ids: list[int], stats: Stats) -> tuple[str, int]:
+        """Stream one generation into the job; returns (finish_reason, tokens generated)."""
+        cfg, target = self.config, self.engine.target
+        text = TextAssembler(target.tokenizer, target.stop_ids(), job.stop)
+        tokens = self.engine.tokens(
+            ids, method=cfg.method, max_new_tokens=job.max_tokens, temperature=job.temperature,
+            top_p=job.top_p, sampling_top_k=cfg.sampling_top_k, tree_size=cfg.tree_size,
+            top_m=cfg.top_m, top_k=cfg.top_k, seed=job.seed, chat=False, stats=stats)
+        n, finish = 0, None
+        for tok in tokens:
+            if job.cancelled.is_set():
+                finish = "abort"
+                break
+            n += 1
+            if n == 1:
+                self.metrics.observe_ttft(time.perf_counter() - job.arrived)
+            piece = text.add(tok)
+            if piece:
+                job.emit("text", piece)
+            if text.stopped:
+                finish = "stop"
+                break
+        tokens.close()  # stop decoding now (a break leaves the generator suspended)
+        tail = text.flush()
+        if tail:
+            job.emit("text", tail)
+        return finish or stats.finish_reason, n
