@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import Metrics
 from .schemas import (MAX_STOP, MAX_STOP_CHARS, ApiError, ChatCompletionRequest, CompletionRequest,
-                      _Request, chat_chunk, chat_response, completion_response, error_body, new_id, usage)
+                      GenerationRequest, chat_chunk, chat_response, completion_response, error_body, new_id, usage)
 from .worker import Done, Job, ServeConfig, Worker
 
 GREEDY_BELOW = 1e-5  # smaller temperatures overflow logits / T; treat them as greedy (as vLLM does)
@@ -74,7 +74,7 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
     _add_error_handlers(app, metrics)
 
     # ---- building a job from a request ----
-    def make_job(req: _Request, prompt, chat: bool, param: str) -> Job:
+    def make_job(req: GenerationRequest, prompt, chat: bool, param: str) -> Job:
         if req.model is not None and req.model != config.model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves {config.model_name!r}",
                            param="model", code="model_not_found")

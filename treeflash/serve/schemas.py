@@ -18,7 +18,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = Field(None, description="must name the served model when given")
@@ -59,11 +59,11 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": content or ""}
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] = Field(..., description="text, token ids, or a one-item list of text")
     echo: bool = False
 
