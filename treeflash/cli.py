@@ -17,6 +17,7 @@ from .errors import TreeflashError
 SUBCOMMAND_MODULES = [
     "treeflash.cli_generate",
     "treeflash.training.cli",
+    "treeflash.training.cli_data",
     "treeflash.bench.cli",
     "treeflash.serve.cli",
     "treeflash.models.export",

@@ -25,7 +25,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below 1e-5 are greedy (as in vLLM): dividing by them overflows."""
+        return self.temperature < 1e-5
 
 
 def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
