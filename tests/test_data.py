@@ -1,0 +1,211 @@
+"""Training data: ShareGPT recovery, dedup/split, regeneration == greedy decoding, resume, errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from treeflash.api import Engine
+from treeflash.cli import main
+from treeflash.errors import TreeflashError
+from treeflash.models import registry
+from treeflash.models.target import Target
+from treeflash.training import data
+
+MAX_NEW = 7
+
+
+# ---------------------------------------------------------------- step 1: prompts
+def write_truncated_sharegpt(path, records, tail='  {\n    "id": "cut", "conversations": [{"from": "hum'):
+    text = "[\n" + ",\n".join(json.dumps(r, indent=2) for r in records) + ",\n" + tail
+    path.write_text(text)
+
+
+def conv(rid, *turns):
+    return {"id": rid, "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+SHAREGPT = [
+    conv("a_0", ("human", "How do I sort a list in Python?"), ("gpt", "Use sorted().")),
+    conv("b_0", ("gpt", "Hello!"), ("human", "What is 2+2?")),   # first *user* turn is kept
+    conv("c_0", ("human", "   "), ("gpt", "...")),                  # empty: dropped
+    conv("d_0", ("human", ["not", "text"])),                        # non-text: dropped
+    conv("e_0", ("human", "how do I  sort a list in python?")),     # duplicate of a_0 after normalising
+    {"id": "f_0"},                                                  # no conversations: dropped
+    conv("g_0", ("human", "Write a haiku about rain."), ("gpt", "...")),
+]
+
+
+def test_truncated_sharegpt_records_are_recovered(tmp_path):
+    src = tmp_path / "sg.json"
+    write_truncated_sharegpt(src, SHAREGPT)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(src.read_text())  # really truncated
+    prompts, n_records = data.sharegpt_prompts(src)
+    assert n_records == len(SHAREGPT)
+    assert [p["id"] for p in prompts] == ["sharegpt/a_0", "sharegpt/b_0", "sharegpt/e_0", "sharegpt/g_0"]
+    assert prompts[1]["messages"] == [{"role": "user", "content": "What is 2+2?"}]
+
+
+def test_build_prompts_dedups_and_splits_disjointly(tmp_path):
+    src = tmp_path / "sg.json"
+    extra = [conv(f"x{i}_0", ("human", f"Question number {i}?")) for i in range(20)]
+    write_truncated_sharegpt(src, SHAREGPT + extra)
+    stats = data.build_prompts(tmp_path / "out", heldout=5, seed=3, source=src)
+    train = data.read_jsonl(tmp_path / "out" / "train.jsonl")
+    held = data.read_jsonl(tmp_path / "out" / "heldout.jsonl")
+    assert stats["duplicates_dropped"] == 1 and (stats["train"], stats["heldout"]) == (len(train), 5)
+    ids_train, ids_held = {p["id"] for p in train}, {p["id"] for p in held}
+    assert not ids_train & ids_held and len(ids_train) == len(train)
+    texts = [data.normalise(p["messages"][0]["content"]) for p in train + held]
+    assert len(set(texts)) == len(texts) == 3 + 20
+    again, _ = data.split(data.dedupe(data.sharegpt_prompts(src)[0]), 5, seed=3)
+    assert [p["id"] for p in again] == [p["id"] for p in train]  # the seed fixes the order
+    other, _ = data.split(data.dedupe(data.sharegpt_prompts(src)[0]), 5, seed=4)
+    assert [p["id"] for p in other] != [p["id"] for p in train]
+    assert json.loads((tmp_path / "out" / "stats.json").read_text())["train"] == len(train)
+
+
+def test_length_sorted_batches_cover_everything_once():
+    items = [(str(i), [0] * ((i * 7) % 11 + 1)) for i in range(23)]
+    batches = list(data.length_sorted_batches(items, batch_size=4, window=2))
+    flat = [pid for b in batches for pid, _ in b]
+    assert sorted(flat) == sorted(pid for pid, _ in items) and all(len(b) <= 4 for b in batches)
+    first_window = [len(ids) for b in batches[:2] for _, ids in b]
+    assert first_window == sorted(first_window)
+
+
+# ---------------------------------------------------------------- step 2: regeneration
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    """A 2-layer random Llama with the real SmolLM2 tokenizer (chat template), saved to disk."""
+    tok = AutoTokenizer.from_pretrained(str(registry.resolve_target(registry.DEFAULT_TARGET)[0]))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    out = tmp_path_factory.mktemp("tiny-target")
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out
+
+
+def tiny_target(path) -> Target:
+    return Target.load(str(path), dtype="float32")
+
+
+PROMPTS = ["Hi", "Write a function that adds two numbers.", "What is the capital of France?",
+           "Tell me a long story about a dragon, a knight and a very old castle by the sea.", "2+2=?"]
+
+
+def write_prompts(path, texts=PROMPTS):
+    data.write_jsonl(path, [{"id": f"p{i}", "messages": [{"role": "user", "content": t}]}
+                            for i, t in enumerate(texts)])
+    return path
+
+
+def vanilla(target: Target, messages, max_new: int) -> list[int]:
+    return list(Engine(target, None).tokens(messages, method="vanilla", max_new_tokens=max_new))
+
+
+def add_early_stop(target: Target, messages) -> int:
+    """Make a token that greedy decoding emits mid-answer a stop token, so rows end at different steps."""
+    tok = vanilla(target, messages, MAX_NEW)[2]
+    target.model.config.eos_token_id = [target.tokenizer.eos_token_id, tok]
+    return tok
+
+
+def read_shards(out_dir) -> list[dict]:
+    return [r for s in sorted(out_dir.glob("shard-*.jsonl")) for r in data.read_jsonl(s)]
+
+
+def test_regen_shards_equal_plain_greedy_decoding(tiny_target_dir, tmp_path):
+    target = tiny_target(tiny_target_dir)
+    prompts = data.load_prompts(write_prompts(tmp_path / "p.jsonl"))
+    stop_tok = add_early_stop(target, prompts[1]["messages"])
+    cfg = data.RegenConfig(batch_size=3, max_new_tokens=MAX_NEW, shard_size=2)
+    meta = data.regenerate(target, tmp_path / "p.jsonl", tmp_path / "out", cfg, dtype="float32",
+                           progress=False)
+    recs = {r["id"]: r for r in read_shards(tmp_path / "out")}
+    assert sorted(recs) == [p["id"] for p in prompts] and meta["sequences"] == len(prompts)
+    assert sorted(p.name for p in (tmp_path / "out").glob("shard-*")) == [
+        "shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
+    ended_early = 0
+    for p in prompts:
+        r = recs[p["id"]]
+        prompt_ids = target.apply_chat(p["messages"])
+        assert r["prompt_len"] == len(prompt_ids) and r["input_ids"][:r["prompt_len"]] == prompt_ids
+        assert r["input_ids"][r["prompt_len"]:] == vanilla(target, p["messages"], MAX_NEW)
+        ended_early += r["input_ids"][-1] == stop_tok
+    assert ended_early >= 1  # at least one row left its batch early
+    assert meta["response_tokens"] == sum(len(r["input_ids"]) - r["prompt_len"] for r in recs.values())
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["finished"] is True
+
+
+def test_killed_run_resumes_without_duplicates(tiny_target_dir, tmp_path, monkeypatch):
+    target = tiny_target(tiny_target_dir)
+    write_prompts(tmp_path / "p.jsonl")
+    cfg = data.RegenConfig(batch_size=1, max_new_tokens=MAX_NEW, shard_size=2)
+    real, calls = data.generate_batch, []
+
+    def dies_on_fourth_batch(*a, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # killed mid-shard: the 3rd record is not yet written
+        return real(*a, **kw)
+
+    monkeypatch.setattr(data, "generate_batch", dies_on_fourth_batch)
+    with pytest.raises(KeyboardInterrupt):
+        data.regenerate(target, tmp_path / "p.jsonl", tmp_path / "out", cfg, progress=False)
+    (tmp_path / "out" / "shard-00001.jsonl.tmp").write_text('{"id": "half')  # a torn write
+    first = read_shards(tmp_path / "out")
+    assert len(first) == 2
+    monkeypatch.setattr(data, "generate_batch", real)
+    meta = data.regenerate(target, tmp_path / "p.jsonl", tmp_path / "out", cfg, progress=False)
+    ids = [r["id"] for r in read_shards(tmp_path / "out")]
+    assert len(ids) == len(set(ids)) == len(PROMPTS) and meta["finished"] is True
+    assert meta["run_response_tokens"] < meta["response_tokens"]  # the resumed run did only the rest
+
+
+def test_max_tokens_stops_early(tiny_target_dir, tmp_path):
+    target = tiny_target(tiny_target_dir)
+    write_prompts(tmp_path / "p.jsonl")
+    cfg = data.RegenConfig(batch_size=2, max_new_tokens=MAX_NEW, max_tokens=MAX_NEW + 1)
+    meta = data.regenerate(target, tmp_path / "p.jsonl", tmp_path / "out", cfg, progress=False)
+    assert meta["sequences"] < len(PROMPTS) and meta["response_tokens"] >= MAX_NEW + 1
+    assert meta["finished"] is False
+
+
+# ---------------------------------------------------------------- bad input
+def test_cli_missing_prompts_file(tmp_path, capsys):
+    rc = main(["data", "regen", "--prompts", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "prompts file not found" in err and "Traceback" not in err
+
+
+def test_cli_unwritable_out_dir(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    write_prompts(tmp_path / "p.jsonl")
+    rc = main(["data", "regen", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(blocker / "sub")])
+    assert rc == 2 and "cannot write to output directory" in capsys.readouterr().err
+    rc = main(["data", "prompts", "--out", str(blocker / "sub")])
+    assert rc == 2 and "cannot write to output directory" in capsys.readouterr().err
+
+
+def test_bad_prompt_files_and_values(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x", "messages": [{"role": "user", "content": "hi"}]}\n{oops\n')
+    with pytest.raises(TreeflashError, match="bad.jsonl:2"):
+        data.load_prompts(bad)
+    bad.write_text('{"id": "x"}\n')
+    with pytest.raises(TreeflashError, match="messages"):
+        data.load_prompts(bad)
+    rc = main(["data", "regen", "--prompts", str(bad), "--out", str(tmp_path / "o"), "--batch-size", "0"])
+    assert rc == 2 and "--batch-size must be >= 1" in capsys.readouterr().err
+    with pytest.raises(TreeflashError, match="heldout"):
+        data.split([{"id": "a"}], heldout=5, seed=0)

@@ -1,0 +1,1 @@
+"""Drafter training: data (prompts, target-regenerated responses), objective, trainer."""
