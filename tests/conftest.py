@@ -104,7 +104,8 @@ class OracleMarginal(_Oracle, Marginal):
 
 
 class OracleTreeFlash(_Oracle, TreeFlash):
-    def corrected_logp(self, h, root_token, cand):
+    def corrected_logp(self, h, root_token, cand, cols=None):
+        assert cols is None, "the oracle boosts token ids: use stage2_vocab=0"
         logp = super().corrected_logp(h, root_token, cand).clone()
         m = cand.shape[1]
         self._boost(logp[0], 1)

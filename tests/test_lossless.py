@@ -41,6 +41,25 @@ def test_random_drafter_is_lossless(setup, method):
     assert run(target, proposer, PROMPT, N) == ref
 
 
+def test_stage2_vocabulary_is_lossless_and_matches_full_when_wide(setup):
+    """The stage-2 column subset changes only the tree; with all columns it is the full table."""
+    target, drafter, ref = setup
+    V = target.vocab_rows
+    for cols in (8, 32):
+        p = make_proposer("treeflash", drafter, target.embed, target.lm_head, TreeParams(12, 3, 3, cols))
+        assert run(target, p, PROMPT, N) == ref
+    full = make_proposer("treeflash", drafter, target.embed, target.lm_head, TreeParams(12, 3, 3))
+    wide = make_proposer("treeflash", drafter, target.embed, target.lm_head, TreeParams(12, 3, 3, V))
+    from treeflash.models.drafter import DraftCache
+    cache = DraftCache(1)
+    feats = torch.randn(len(PROMPT), 2 * target.config.hidden_size)
+    drafter.extend(cache, feats, torch.arange(len(PROMPT)))
+    h = full.draft_states(cache, PROMPT[-1], len(PROMPT), 7)
+    a, b = full.heads(h, PROMPT[-1]), wide.heads(h, PROMPT[-1])
+    assert torch.equal(a.next_tok, b.next_tok) and torch.equal(a.first_tok, b.first_tok)
+    torch.testing.assert_close(a.next_logp, b.next_logp)
+
+
 def test_vanilla_matches_hf_generate(setup):
     """Our plain loop equals transformers' own greedy generate."""
     target, _, ref = setup

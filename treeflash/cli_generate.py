@@ -22,7 +22,8 @@ def engine_kwargs(args) -> dict:
     """The generate()/stream() keywords common to CLI commands."""
     return dict(method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 top_p=args.top_p, sampling_top_k=args.sampling_top_k, tree_size=args.tree_size,
-                top_m=args.top_m, top_k=args.top_k, seed=args.seed)
+                top_m=args.top_m, top_k=args.top_k, seed=args.seed,
+                stage2_vocab=getattr(args, "stage2_vocab", None))
 
 
 def check_prompt(prompt: str) -> None:

@@ -21,6 +21,9 @@ class TreeParams:
     budget: int = 16  # nodes verified per step, root included
     top_m: int = 8    # TreeFlash stage-1 candidates per position
     top_k: int = 8    # TreeFlash stage-2 children per candidate
+    # TreeFlash stage 2 scores only the position's top-`stage2_vocab` marginal tokens (0 = the whole
+    # vocabulary): the LM head over (B-1) x m rows is otherwise the dearest part of a step.
+    stage2_vocab: int = 0
 
     def check(self, vocab: int) -> "TreeParams":
         if self.budget < 1:
@@ -28,6 +31,8 @@ class TreeParams:
         for name, v in (("top-m", self.top_m), ("top-k", self.top_k)):
             if not 1 <= v <= vocab:
                 raise TreeflashError(f"{name} must be in [1, {vocab}] (the vocabulary size), got {v}")
+        if self.stage2_vocab and not self.top_k <= self.stage2_vocab <= vocab:
+            raise TreeflashError(f"stage-2 vocabulary must be 0 or in [top-k, {vocab}], got {self.stage2_vocab}")
         return self
 
 
@@ -101,19 +106,32 @@ class TreeFlash(Proposer):
         """Stage 1: top-m marginal candidates; stage 2: corrected top-k per candidate previous token."""
         D = h.shape[0] - 1
         m, k = self.params.top_m, self.params.top_k
-        cand = self.marginal_logp(h).topk(m, -1).indices  # [D, m]
-        vals, idx = self.corrected_logp(h, root_token, cand).topk(k, -1)  # [1 + (D-1)*m, k]
+        marginal = self.marginal_logp(h)  # [D, V]
+        cand = marginal.topk(m, -1).indices  # [D, m]
+        cols = marginal.topk(self.params.stage2_vocab, -1).indices if self.params.stage2_vocab else None
+        logp = self.corrected_logp(h, root_token, cand, cols)  # [1 + (D-1)*m, C]
+        vals, idx = logp.topk(k, -1)  # [1 + (D-1)*m, k]
+        if cols is not None:  # column -> token id
+            idx = torch.cat([cols[0][idx[0]][None], cols[1:].repeat_interleave(m, 0).gather(1, idx[1:])])
         return TransitionTables(cand, idx[0], vals[0], idx[1:].view(D - 1, m, k), vals[1:].view(D - 1, m, k))
 
-    def corrected_logp(self, h: torch.Tensor, root_token: int, cand: torch.Tensor) -> torch.Tensor:
+    def corrected_logp(self, h: torch.Tensor, root_token: int, cand: torch.Tensor,
+                       cols: torch.Tensor | None = None) -> torch.Tensor:
         """Row 0: depth 1 given the root; row 1 + (d-1)*m + j: depth d+1 given cand[d-1, j].
 
-        h [D+1, H], cand [D, m] -> log-probs [1 + (D-1)*m, V].
+        h [D+1, H], cand [D, m], cols [D, C] token ids per depth (None: all V)
+        -> log-probs [1 + (D-1)*m, C] over those columns.
         """
-        m = cand.shape[1]
+        D, m = cand.shape
         prev = torch.cat([torch.tensor([root_token]), cand[:-1].reshape(-1)])  # [1 + (D-1)*m]
         rows_h = torch.cat([h[1:2], h[2:].repeat_interleave(m, 0)])  # [1 + (D-1)*m, H]
-        return self.lm_head(self.drafter.corrected(rows_h, self.embed(prev))).float().log_softmax(-1)
+        x = self.drafter.corrected(rows_h, self.embed(prev))  # [1 + (D-1)*m, H]
+        if cols is None:
+            return self.lm_head(x).float().log_softmax(-1)
+        w = self.lm_head.weight[cols]  # [D, C, H]
+        first = x[:1] @ w[0].T  # [1, C]
+        rest = torch.bmm(x[1:].view(D - 1, m, x.shape[-1]), w[1:].transpose(1, 2)).view((D - 1) * m, w.shape[1])
+        return torch.cat([first, rest]).float().log_softmax(-1)  # normalised over the columns
 
     def build(self, root_token, tables):
         return treeflash_tree(root_token, tables, self.params.budget)
