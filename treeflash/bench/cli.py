@@ -32,6 +32,8 @@ def register(sub) -> None:
                    help="nodes verified per step; a comma list (e.g. 4,8,16,32,64) sweeps the budget (default 16)")
     p.add_argument("--top-m", type=int, default=8, help="TreeFlash stage-1 candidates per position")
     p.add_argument("--top-k", type=int, default=8, help="TreeFlash stage-2 children per candidate")
+    p.add_argument("--stage2-vocab", type=int, default=None,
+                   help="TreeFlash stage 2 scores each position's top-N marginal tokens (0 = all; default: engine's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--target", default="smollm2-135m", help="built-in name, HF model directory or .gguf file")
@@ -64,7 +66,7 @@ def config_from_args(args):
             setattr(cfg, k, v)
     if args.assistant and args.methods is None and "hf-assisted" not in cfg.methods:
         cfg.methods = cfg.methods + ["hf-assisted"]
-    for k in ("temperature", "dtype", "target", "drafter", "assistant", "seed", "top_m", "top_k", "repeats",
+    for k in ("temperature", "dtype", "target", "drafter", "assistant", "seed", "top_m", "top_k", "stage2_vocab", "repeats",
               "warmup", "humaneval_timeout", "threads", "out"):
         setattr(cfg, k, getattr(args, k))
     return cfg.validate()

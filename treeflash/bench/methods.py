@@ -35,6 +35,7 @@ class DecodeParams:
     top_m: int = 8
     top_k: int = 8
     seed: int = 0
+    stage2_vocab: int | None = None  # TreeFlash stage-2 columns per position (None: the engine's default)
 
 
 @dataclass
@@ -64,7 +65,7 @@ class EngineMethod(Method):
     def generate(self, prompt_ids, p):
         r = self.engine.generate(list(prompt_ids), method=self.name, max_new_tokens=p.max_new_tokens,
                                  temperature=p.temperature, tree_size=self.tree_size or 1, top_m=p.top_m,
-                                 top_k=p.top_k, seed=p.seed)
+                                 top_k=p.top_k, seed=p.seed, stage2_vocab=p.stage2_vocab)
         return Generation(r.token_ids, r.stats)
 
 

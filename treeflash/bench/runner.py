@@ -5,8 +5,10 @@ prompt x arm: all its turns (MT-Bench asks turn 2 after the arm's own turn-1 ans
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -41,6 +43,7 @@ class BenchConfig:
     seed: int = 0
     top_m: int = 8
     top_k: int = 8
+    stage2_vocab: int | None = None
     repeats: int = 1
     warmup: bool = True
     humaneval_timeout: float = 3.0
@@ -146,8 +149,7 @@ def decode_text(target, token_ids: list[int]) -> str:
 def warm_up(arms: list[Method], target, p: DecodeParams) -> None:
     """One short untimed generation per arm (first-call allocations, thread pools, caches)."""
     ids = target.encode([{"role": "user", "content": "Say hello."}])
-    short = DecodeParams(max_new_tokens=min(8, p.max_new_tokens), temperature=p.temperature,
-                         top_m=p.top_m, top_k=p.top_k, seed=p.seed)
+    short = dataclasses.replace(p, max_new_tokens=min(8, p.max_new_tokens))
     for arm in tqdm(arms, desc="warm-up", leave=False, file=sys.stderr):
         arm.generate(ids, short)
 
@@ -179,7 +181,7 @@ def run_bench(cfg: BenchConfig, engine=None) -> dict:
     arms, notes = build_methods(engine, cfg.methods, cfg.tree_sizes, cfg.target, assistant, cfg.threads)
     if not arms:
         raise TreeflashError("none of the requested methods can run here: " + "; ".join(notes))
-    p = DecodeParams(cfg.max_new_tokens, cfg.temperature, cfg.top_m, cfg.top_k, cfg.seed)
+    p = DecodeParams(cfg.max_new_tokens, cfg.temperature, cfg.top_m, cfg.top_k, cfg.seed, cfg.stage2_vocab)
     if cfg.warmup:
         warm_up(arms, engine.target, p)
 
@@ -199,7 +201,7 @@ def run_bench(cfg: BenchConfig, engine=None) -> dict:
     results["machine"] = machine_info(load_start)
     results["versions"] = versions()
     results["wall_s"] = round(wall, 2)
-    results["command"] = " ".join(["treeflash"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
+    results["command"] = shlex.join(["treeflash", "bench"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
     write_outputs(out, results, records)
     return results
 
