@@ -373,9 +373,9 @@ def regenerate(target, prompts_path: Path, out_dir: Path, cfg: RegenConfig, dtyp
             prog.eos_finished += int(bool(resp) and resp[-1] in stop)
             if budget_left is not None:
                 budget_left -= len(resp)
-        bar.update(sum(len(r) for r in responses))
         rate = prog.run_response_tokens / max(time.perf_counter() - t0, 1e-9)
         bar.set_postfix(seqs=len(prog.done_ids), tok_s=f"{rate:.0f}", refresh=False)
+        bar.update(sum(len(r) for r in responses))
         if len(buffer) >= cfg.shard_size:
             flush(cfg.shard_size)
     flush(1)  # the rest, as a last (shorter) shard
