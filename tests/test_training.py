@@ -289,3 +289,20 @@ def test_target_labels_are_target_greedy_choices(env):
     p = s["prompt_len"]
     assert torch.equal(s["ids"][:p], r["ids"][:p])  # the prompt is kept
     assert torch.equal(s["ids"][p:], r["top_idx"][p - 1:-1, 0].long())  # response := target top-1
+
+
+def test_draft_vocab_negatives_are_outside_and_deterministic(env):
+    cfg = config(env, "neg", draft_vocab=16, negatives=8)
+    tr = Trainer(cfg, env["target"])
+    obj = tr.obj
+    assert obj.vocab.numel() >= 16 and obj.head_weight.shape[0] == obj.vocab.numel()
+    obj.set_negatives(5)
+    rows_a = obj.head_weight.clone()
+    obj.set_negatives(5)
+    assert torch.equal(rows_a, obj.head_weight) and rows_a.shape[0] == obj.vocab.numel() + 8
+    vocab_rows = obj.full_head[obj.vocab]
+    assert torch.equal(rows_a[:obj.vocab.numel()], vocab_rows)
+    neg = rows_a[obj.vocab.numel():]  # none of the negatives is a draft-vocabulary row
+    assert not (neg[:, None, :] == vocab_rows[None, :, :]).all(-1).any()
+    last = tr.fit()  # and training with a draft vocabulary runs; validation uses the full vocabulary
+    assert "val_acc" in last

@@ -38,6 +38,7 @@ def register(sub) -> None:
     hp.add_argument("-n", type=int, default=2000, help="pairs to write")
     hp.add_argument("--train-prompts", default="data/prompts/train.jsonl", help="only these prompt ids are used")
     hp.add_argument("--max-len", type=int, default=768)
+    hp.add_argument("--shard-size", type=int, default=32, help="sequences per shard (one feature file each)")
     hp.set_defaults(func=run_pairs)
 
     t = st.add_parser("fit", help="train a drafter on cached features (torchrun for DDP)")
@@ -118,7 +119,7 @@ def run_pairs(args) -> int:
     if not Path(args.train_prompts).is_file():
         raise TreeflashError(f"missing {args.train_prompts}; run `treeflash data prompts` first")
     target = Target.load(args.target)
-    n = human_pair_shards(target, args.out, args.n, args.train_prompts, args.max_len)
+    n = human_pair_shards(target, args.out, args.n, args.train_prompts, args.max_len, args.shard_size)
     print(f"wrote {n} pairs to {args.out}")
     return 0
 

@@ -88,13 +88,16 @@ class LossConfig:
     kl_weight: float = 0.5  # weight of the soft (target top-K) loss beside the hard-token CE
     ar_weight: float = 1.0  # weight of the corrected (TreeFlash) head loss; 0 = plain DFlash
     marginal_weight: float = 1.0  # weight of the marginal head loss (0 when the body is frozen)
+    negatives: int = 2048  # random non-draft-vocabulary rows added to each call's softmax
 
 
 class DraftObjective(nn.Module):
     """Drafter + frozen target embedding/LM head (buffers, never saved) -> weighted block losses.
 
     `draft_vocab` (sorted ids) restricts the LM head to the most frequent target tokens during
-    training; labels outside it are ignored. None = the full vocabulary.
+    training; labels outside it are ignored. None = the full vocabulary. Each call also adds
+    `cfg.negatives` random rows from outside the draft vocabulary to the softmax: without them the
+    untrained rows are never pushed down and one of them wins the full-vocabulary argmax at inference.
     """
 
     def __init__(self, drafter: Drafter, embed_weight: torch.Tensor, head_weight: torch.Tensor,
@@ -104,7 +107,12 @@ class DraftObjective(nn.Module):
         V = head_weight.shape[0]
         self.register_buffer("embed_weight", embed_weight.detach().float(), persistent=False)  # [V, H]
         vocab = torch.arange(V) if draft_vocab is None else draft_vocab.long()
-        self.register_buffer("head_weight", head_weight.detach().float()[vocab], persistent=False)  # [Vd, H]
+        self.register_buffer("full_head", head_weight.detach().float(), persistent=False)  # [V, H]
+        self.register_buffer("vocab", vocab, persistent=False)  # [Vd]
+        outside = torch.ones(V, dtype=torch.bool)
+        outside[vocab] = False
+        self.register_buffer("outside", outside.nonzero()[:, 0], persistent=False)  # [V - Vd]
+        self.head_weight = self.full_head[vocab]  # [Vd, H] (+ negatives per call)
         to_draft = torch.full((V,), IGNORE, dtype=torch.long)
         to_draft[vocab] = torch.arange(vocab.numel())
         self.register_buffer("to_draft", to_draft, persistent=False)  # [V] full id -> draft id
@@ -124,7 +132,17 @@ class DraftObjective(nn.Module):
         return w * (self.draft_labels(labels) >= 0)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
-        return states @ self.head_weight.to(states.dtype).T  # [N, Vd]
+        return states @ self.head_weight.to(states.dtype).T  # [N, Vd (+ negatives)]
+
+    def set_negatives(self, seed: int) -> None:
+        """Head rows for the next call: the draft vocabulary, then random rows from outside it."""
+        n = min(self.cfg.negatives, self.outside.numel())
+        if n == 0:
+            self.head_weight = self.full_head[self.vocab]
+            return
+        g = torch.Generator().manual_seed(seed)
+        neg = self.outside[torch.randperm(self.outside.numel(), generator=g)[:n]]
+        self.head_weight = self.full_head[torch.cat([self.vocab, neg])]  # [Vd + n, H]
 
     def soft_targets(self, top_idx: torch.Tensor, top_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Target top-K (full ids [N, K], log-probs [N, K]) -> draft ids [N, K] and renormalised probs."""
@@ -155,6 +173,7 @@ class DraftObjective(nn.Module):
         cfg, d = self.cfg, self.drafter
         T, B = ids.numel(), cfg.block_size
         dtype = self.embed_weight.dtype
+        self.set_negatives(int(anchors.sum()) * 7919 + T)  # deterministic in the inputs (exact resume)
         kv = d.context_kv(feats.to(dtype), torch.arange(T))  # per layer [nkv, T, hd]
         tokens, pos, labels, prev = block_inputs(ids, anchors, B, d.config.mask_token_id)  # [A*B]
         mask = block_mask(anchors, T, B)  # [A*B, T + A*B]

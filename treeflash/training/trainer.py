@@ -18,7 +18,7 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -52,6 +52,7 @@ class TrainConfig:
     kl_weight: float = 0.5
     ar_weight: float = 1.0
     draft_vocab: int = 8192  # 0 = full vocabulary
+    negatives: int = 2048  # random out-of-draft-vocabulary rows per sequence in the softmax
     val_seqs: int = 32
     eval_every: int = 100
     ckpt_every: int = 100
@@ -278,12 +279,13 @@ class Trainer:
         emb, head = target.embed.weight, target.lm_head.weight
         lcfg = LossConfig(block_size=dc.block_size, max_anchors=cfg.max_anchors, kl_weight=cfg.kl_weight,
                           ar_weight=cfg.ar_weight if self.drafter.ar_approximation is not None else 0.0,
-                          marginal_weight=0.0 if cfg.freeze_body else 1.0)
+                          marginal_weight=0.0 if cfg.freeze_body else 1.0,
+                          negatives=cfg.negatives if draft_vocab is not None else 0)
         self.obj = DraftObjective(self.drafter, emb, head, lcfg, draft_vocab)
-        self.val_obj = DraftObjective(self.drafter, emb, head, lcfg, None)  # full vocabulary: honest accuracy
+        self.val_obj = DraftObjective(self.drafter, emb, head, replace(lcfg, negatives=0), None)  # full vocabulary: honest accuracy
         self.model = BatchObjective(self.obj)
         if self.world > 1:
-            self.model = torch.nn.parallel.DistributedDataParallel(self.model)
+            self.model = torch.nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
         self._stop = False
 
     def make_draft_vocab(self) -> torch.Tensor:
