@@ -148,3 +148,18 @@ def test_quick_preset_fits(tmp_path):
     cfg = config_from_args(p.parse_args(["bench", "--quick", "--out", str(tmp_path), "--num-prompts", "1"]))
     assert cfg.num_prompts == 1 and cfg.max_new_tokens <= 64 and len(cfg.tree_sizes) == 1
     assert not math.isnan(cfg.temperature) and cfg.greedy
+
+
+def test_hf_assisted_with_itself_accepts_drafts(tmp_path, tiny_target):
+    """The target as its own assistant: every draft is accepted, so tau > 1 and output == vanilla."""
+    out = tmp_path / "out"
+    assert main(["bench", "--target", tiny_target, "--assistant", tiny_target, "--dtype", "float32",
+                 "--datasets", "gsm8k", "--methods", "vanilla,hf-assisted", "--num-prompts", "1",
+                 "--max-new-tokens", "12", "--no-warmup", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assisted = rows["hf-assisted"]
+    assert assisted["identical_to_vanilla"] == 1.0
+    assert assisted["mean_acceptance_length"] > 1.5
+    assert assisted["num_step_tokens"] == assisted["num_tokens"]  # HF: every forward is a verify step
+    assert rows["vanilla"]["num_step_tokens"] == rows["vanilla"]["num_tokens"] - 1  # ours: prefill token apart
+    assert assisted["per_position_acceptance"][0] > 0.5

@@ -6,7 +6,8 @@
 - `llama-cpp`: plain decoding of the target's GGUF through llama-cpp-python, when importable.
 
 Every method fills a `Stats` (decoding/generate.py). For HF methods the acceptance lengths are read
-off the target's forward calls: a forward that starts at position p_i commits p_{i+1} - p_i tokens.
+off the target's forward calls (every forward is a step; see `ForwardLog.fill`); our engine's
+prefill token is not a step, so there tokens = 1 + sum(acceptance lengths).
 """
 from __future__ import annotations
 
@@ -90,15 +91,17 @@ class ForwardLog:
     def close(self):
         self._handle.remove()
 
-    def fill(self, stats: Stats, total_len: int) -> None:
-        """Acceptance lengths of the decode forwards (all but the prefill), as the engine counts them.
+    def fill(self, stats: Stats, prompt_len: int, total_len: int) -> None:
+        """One step per forward: forward i commits n_{i+1} - n_i tokens (accepted drafts + 1).
 
-        Decode forward i re-reads the last committed token at position p_i and commits
-        p_{i+1} - p_i tokens (the last one commits total_len - 1 - p_i).
+        n_0 = prompt_len; a later forward re-reads the last committed token, so it starts at
+        p_i = n_i - 1; n_{k+1} = total_len. The first forward is a step too: HF's speculative
+        methods verify drafts in it (plain generate commits exactly one token there).
         """
-        starts = [s for s, _ in self.calls[1:]] + [total_len - 1]
-        for (s, n), nxt in zip(self.calls[1:], starts[1:]):
-            stats.record(max(0, nxt - s - 1), n)
+        bounds = [prompt_len] + [s + 1 for s, _ in self.calls[1:]] + [total_len]
+        for i, (_, n) in enumerate(self.calls):
+            size = n - prompt_len + 1 if i == 0 else n  # nodes verified, the re-read token included
+            stats.record(max(0, bounds[i + 1] - bounds[i] - 1), size)
 
 
 class HFMethod(Method):
@@ -138,7 +141,7 @@ class HFMethod(Method):
         new = out[0, x.shape[1]:].tolist()
         stats = Stats(prompt_tokens=x.shape[1], new_tokens=len(new), total_s=elapsed,
                       finish_reason="stop" if new and new[-1] in self.eos else "length")
-        log.fill(stats, out.shape[1])
+        log.fill(stats, x.shape[1], out.shape[1])
         return Generation(new, stats)
 
 
