@@ -35,7 +35,7 @@ def random_drafter(target: Target, seed: int = 0, **kw) -> Drafter:
     """A random-initialised drafter sized for `target` (for tests and checks)."""
     cfg = DrafterConfig.for_target(target.config, mask_token_id=target.default_mask_token(), **kw)
     cfg.vocab_size = target.vocab_rows
-    return Drafter(cfg).init_weights(seed).to(target.dtype).eval()
+    return Drafter(cfg).init_weights(seed).to(device=target.device, dtype=target.dtype).eval()
 
 
 class Engine:
@@ -45,7 +45,7 @@ class Engine:
         self.target, self.drafter = target, drafter
         if drafter is not None:
             check_fits(drafter.config, target.config, target.vocab_rows)
-            drafter.to(target.dtype)
+            drafter.to(device=target.device, dtype=target.dtype)
             target.set_taps(drafter.config.target_layer_ids)
 
     def _prepare(self, prompt, method, max_new_tokens, temperature, top_p, sampling_top_k,
@@ -100,21 +100,26 @@ class Engine:
         return Result(text, ids, stats)
 
 
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @functools.lru_cache(maxsize=2)
-def _load_target(name: str, dtype) -> Target:
+def _load_target(name: str, dtype, device: str = "cpu") -> Target:
     """Targets are cached per process (engines share them; each engine re-sets the taps it needs)."""
-    return Target.load(name, dtype=dtype)
+    return Target.load(name, dtype=dtype, device=device)
 
 
 def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = None,
-         dtype: str = "float32", seed: int = 0, quiet: bool = False) -> Engine:
+         dtype: str = "float32", seed: int = 0, quiet: bool = False, device: str | None = None) -> Engine:
     """Load a target (built-in name, HF directory or .gguf) and a drafter.
 
     drafter: None -> the shipped drafter of the target (a random one, with a warning, if none is
     shipped); "random" -> a random-initialised drafter; a path -> that drafter directory;
-    "none" -> no drafter (vanilla decoding only).
+    "none" -> no drafter (vanilla decoding only). dtype "auto": bf16 where the hardware computes
+    it natively, else fp32. device: "cuda" when a GPU is present, else "cpu".
     """
-    tgt = _load_target(target, parse_dtype(dtype))
+    tgt = _load_target(target, parse_dtype(dtype), device or default_device())
     if isinstance(drafter, Drafter):
         d = drafter
     elif drafter == "none":

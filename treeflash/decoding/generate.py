@@ -92,8 +92,9 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
     t_start = time.perf_counter()
 
     # prefill: the prompt's KV cache, its features for the drafter, and the first token
-    ids = torch.tensor(prompt_ids)
-    pos = torch.arange(len(prompt_ids))
+    dev = target.device
+    ids = torch.tensor(prompt_ids, device=dev)
+    pos = torch.arange(len(prompt_ids), device=dev)
     logits, feats = target.forward(ids, pos, cache, logits_rows=slice(-1, None))
     if drafter is not None:
         drafter.extend(dcache, feats, pos)
@@ -116,12 +117,13 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
         tree = proposer.propose(dcache, root, start, max_depth)
         t0 = time.perf_counter()
         mask = torch.cat([torch.ones(len(tree), start, dtype=torch.bool), tree.ancestor_mask()], 1)
-        logits, feats = target.forward(tree.tokens, start + tree.depths, cache, mask=mask)
+        logits, feats = target.forward(tree.tokens.to(dev), (start + tree.depths).to(dev), cache,
+                                       mask=mask.to(dev))
         acc = accept(tree, logits, sampling, gen)
-        keep = torch.tensor(acc.path)
+        keep = torch.tensor(acc.path, device=dev)
         target.compact(cache, start, keep)
         if drafter is not None:
-            drafter.extend(dcache, feats[keep], start + torch.arange(len(keep)))
+            drafter.extend(dcache, feats[keep], start + torch.arange(len(keep), device=dev))
         stats.verify_s += time.perf_counter() - t0
         stats.record(len(acc.accepted), len(tree))
         for tok in acc.accepted:  # the root was yielded last step; accepted drafts follow

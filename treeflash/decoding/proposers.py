@@ -66,7 +66,8 @@ class Proposer:
 
     def draft_states(self, cache: DraftCache, root_token: int, start: int, depth: int) -> torch.Tensor:
         """One drafter pass over [root, MASK x depth] -> pre-norm states h [depth+1, H]."""
-        ids = torch.full((depth + 1,), self.drafter.config.mask_token_id, dtype=torch.long)
+        ids = torch.full((depth + 1,), self.drafter.config.mask_token_id, dtype=torch.long,
+                         device=self.embed.weight.device)
         ids[0] = root_token
         return self.drafter.draft(cache, self.embed(ids), start)
 
@@ -75,7 +76,7 @@ class Proposer:
         return self.lm_head(self.drafter.model.norm(h[1:])).float().log_softmax(-1)
 
     def heads(self, h: torch.Tensor, root_token: int):
-        return self.marginal_logp(h)
+        return self.marginal_logp(h).cpu()
 
 
 class Vanilla(Proposer):
@@ -113,6 +114,7 @@ class TreeFlash(Proposer):
         vals, idx = logp.topk(k, -1)  # [1 + (D-1)*m, k]
         if cols is not None:  # column -> token id
             idx = torch.cat([cols[0][idx[0]][None], cols[1:].repeat_interleave(m, 0).gather(1, idx[1:])])
+        idx, vals, cand = idx.cpu(), vals.cpu(), cand.cpu()  # tree building runs on the host
         return TransitionTables(cand, idx[0], vals[0], idx[1:].view(D - 1, m, k), vals[1:].view(D - 1, m, k))
 
     def corrected_logp(self, h: torch.Tensor, root_token: int, cand: torch.Tensor,
@@ -123,7 +125,7 @@ class TreeFlash(Proposer):
         -> log-probs [1 + (D-1)*m, C] over those columns.
         """
         D, m = cand.shape
-        prev = torch.cat([torch.tensor([root_token]), cand[:-1].reshape(-1)])  # [1 + (D-1)*m]
+        prev = torch.cat([cand.new_tensor([root_token]), cand[:-1].reshape(-1)])  # [1 + (D-1)*m]
         rows_h = torch.cat([h[1:2], h[2:].repeat_interleave(m, 0)])  # [1 + (D-1)*m, H]
         x = self.drafter.corrected(rows_h, self.embed(prev))  # [1 + (D-1)*m, H]
         if cols is None:

@@ -47,4 +47,4 @@ def choose(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
     """One token from logits [V]: argmax when greedy, else a sample."""
     if p.greedy:
         return int(logits.argmax())
-    return int(torch.multinomial(probs(logits, p), 1, generator=gen))
+    return int(torch.multinomial(probs(logits.cpu(), p), 1, generator=gen))  # host RNG: seeds agree

@@ -15,9 +15,24 @@ from . import registry
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def bf16_is_fast() -> bool:
+    """A GPU, or a CPU with native bf16 arithmetic (AVX512-BF16 / AMX)."""
+    if torch.cuda.is_available():
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """float32 | bfloat16 | float16 | auto (bf16 where the hardware computes it natively, else fp32)."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        return torch.bfloat16 if bf16_is_fast() else torch.float32
     if name not in DTYPES:
         raise TreeflashError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -44,7 +59,7 @@ class Target:
 
     # ---- loading ----
     @classmethod
-    def load(cls, name_or_path: str = registry.DEFAULT_TARGET, dtype="float32") -> "Target":
+    def load(cls, name_or_path: str = registry.DEFAULT_TARGET, dtype="float32", device: str = "cpu") -> "Target":
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -55,7 +70,7 @@ class Target:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=parse_dtype(dtype), **kw)
         except (OSError, ValueError) as e:
             raise TreeflashError(f"cannot load target {name_or_path!r}: {str(e).splitlines()[0]}") from None
-        return cls(model, tok, name=name_or_path)
+        return cls(model.to(device), tok, name=name_or_path)
 
     # ---- hidden-state taps ----
     def set_taps(self, layer_ids: list[int]) -> None:
@@ -78,6 +93,7 @@ class Target:
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
                 mask: torch.Tensor | None = None, logits_rows: slice | torch.Tensor | None = None):
+        # all inputs on self.device
         """ids, positions [N]; mask [N, past+N] bool (True = may attend) or None for causal.
 
         Returns logits [n, V] (float32, for `logits_rows` or all N) and features [N, taps*H]
