@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 
 
 def register(sub) -> None:
@@ -59,7 +60,12 @@ def run_regen(args) -> int:
 
         torch.set_num_threads(args.threads)
     target = Target.load(args.target, dtype=args.dtype)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` saves the finished records like Ctrl-C
     meta = regenerate(target, args.prompts, args.out, cfg, dtype=args.dtype, target_name=args.target,
                       progress=not args.no_progress)
     print(json.dumps(meta))
     return 0
+
+
+def _interrupt(_signum, _frame):
+    raise KeyboardInterrupt

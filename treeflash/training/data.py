@@ -360,24 +360,29 @@ def regenerate(target, prompts_path: Path, out_dir: Path, cfg: RegenConfig, dtyp
         prog.run_seconds = time.perf_counter() - t0
         write_meta(out_dir, name, dtype, prompts_path, cfg, prog, len(rows), too_long, finished=False)
 
-    for batch in length_sorted_batches(todo, cfg.batch_size, cfg.sort_window):
-        if budget_left is not None and budget_left <= 0:
-            break
-        responses = generate_batch(target, [p for _, p in batch], cfg.max_new_tokens)
-        for (pid, prompt), resp in zip(batch, responses):
-            buffer.append({"id": pid, "input_ids": prompt + resp, "prompt_len": len(prompt)})
-            prog.done_ids.add(pid)
-            prog.response_tokens += len(resp)
-            prog.run_response_tokens += len(resp)
-            prog.total_tokens += len(prompt) + len(resp)
-            prog.eos_finished += int(bool(resp) and resp[-1] in stop)
-            if budget_left is not None:
-                budget_left -= len(resp)
-        rate = prog.run_response_tokens / max(time.perf_counter() - t0, 1e-9)
-        bar.set_postfix(seqs=len(prog.done_ids), tok_s=f"{rate:.0f}", refresh=False)
-        bar.update(sum(len(r) for r in responses))
-        if len(buffer) >= cfg.shard_size:
-            flush(cfg.shard_size)
+    try:
+        for batch in length_sorted_batches(todo, cfg.batch_size, cfg.sort_window):
+            if budget_left is not None and budget_left <= 0:
+                break
+            responses = generate_batch(target, [p for _, p in batch], cfg.max_new_tokens)
+            for (pid, prompt), resp in zip(batch, responses):
+                buffer.append({"id": pid, "input_ids": prompt + resp, "prompt_len": len(prompt)})
+                prog.done_ids.add(pid)
+                prog.response_tokens += len(resp)
+                prog.run_response_tokens += len(resp)
+                prog.total_tokens += len(prompt) + len(resp)
+                prog.eos_finished += int(bool(resp) and resp[-1] in stop)
+                if budget_left is not None:
+                    budget_left -= len(resp)
+            rate = prog.run_response_tokens / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(seqs=len(prog.done_ids), tok_s=f"{rate:.0f}", refresh=False)
+            bar.update(sum(len(r) for r in responses))
+            if len(buffer) >= cfg.shard_size:
+                flush(cfg.shard_size)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the finished records, then stop
+        flush(1)
+        bar.close()
+        raise
     flush(1)  # the rest, as a last (shorter) shard
     bar.close()
     prog.run_seconds = time.perf_counter() - t0
