@@ -286,9 +286,17 @@ def test_target_labels_are_target_greedy_choices(env):
     store = F.FeatureStore(env["files"], default_target_layer_ids(4, 2), 32, target_labels=True)
     raw = F.FeatureStore(env["files"], default_target_layer_ids(4, 2), 32)
     s, r = store.get(3), raw.get(3)
-    p = s["prompt_len"]
-    assert torch.equal(s["ids"][:p], r["ids"][:p])  # the prompt is kept
-    assert torch.equal(s["ids"][p:], r["top_idx"][p - 1:-1, 0].long())  # response := target top-1
+    assert torch.equal(s["ids"], r["ids"])  # the data tokens are kept (the blocks' anchors)
+    assert torch.equal(s["pred"][1:], r["top_idx"][:-1, 0].long())  # labels: the target's top-1
+
+
+def test_target_labels_stop_where_data_leaves_the_greedy_path():
+    ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])
+    pred = torch.tensor([0, 6, 7, 40, 9, 10, 11, 12])  # the data disagrees with the target at position 3
+    _, _, labels, prev = block_inputs(ids, torch.tensor([1, 4]), 4, 99, pred)
+    # block at 1: k=1 -> pred[2]=7, k=2 -> pred[3]=40 (positions 2 agrees), k=3 -> IGNORE (3 disagrees)
+    assert labels.tolist() == [IGNORE, 7, 40, IGNORE, IGNORE, 10, 11, 12]
+    assert prev.tolist() == [5, 6, 7, 8, 8, 9, 10, 11]  # data tokens (teacher forcing)
 
 
 def test_draft_vocab_negatives_are_outside_and_deterministic(env):

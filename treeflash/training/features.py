@@ -200,11 +200,13 @@ class FeatureStore:
         h = self.handles[fi]
         seq_ids, plen = ids[a:b], int(plens[si])
         top_idx = h.get_slice("top_idx")[a:b]  # [T, K]
-        if self.target_labels:  # response tokens := the target's greedy choice given the prefix
-            seq_ids = seq_ids.clone()
-            seq_ids[plen:] = top_idx[plen - 1:-1, 0].long()
+        out_extra = {}
+        if self.target_labels:  # labels := the target's greedy choice given the (data) prefix
+            pred = seq_ids.clone()
+            pred[1:] = top_idx[:-1, 0].long()
+            out_extra = {"pred": pred}
         return {"ids": seq_ids, "prompt_len": plen, "feats": h.get_slice("feats")[a:b],
-                "top_idx": top_idx, "top_logp": h.get_slice("top_logp")[a:b]}
+                "top_idx": top_idx, "top_logp": h.get_slice("top_logp")[a:b], **out_extra}
 
     def token_counts(self, vocab: int) -> torch.Tensor:
         """[vocab] counts of response tokens over all shards (for the draft vocabulary)."""

@@ -62,11 +62,16 @@ def block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Te
     return torch.cat([ctx, own], 1)
 
 
-def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
+def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
+                 pred: torch.Tensor | None = None):
     """Block tokens, positions, labels and previous tokens, each [A*B].
 
     labels[k] = ids[anchor+k] for k >= 1 inside the sequence, else IGNORE (k = 0 is IGNORE).
     prev[k] = ids[anchor+k-1] (the teacher-forced previous token of the corrected head).
+    pred [T] (optional, for data not written by the target): the target's greedy token at each
+    position given the data prefix. Then labels[k] = pred[anchor+k], kept only while the data
+    agrees with the target's greedy path inside the block (ids == pred at anchor+1..anchor+k-1),
+    so every label is exactly the target's greedy continuation of what the block sees.
     """
     T, B = ids.numel(), block_size
     offs = torch.arange(B)
@@ -75,6 +80,12 @@ def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
     tokens[:, 0] = ids[anchors]
     inside = pos < T
     labels = torch.where(inside, ids[pos.clamp(max=T - 1)], torch.full_like(pos, IGNORE))
+    if pred is not None:
+        at = pos.clamp(max=T - 1)
+        agree = (ids[at] == pred[at]) & inside  # [A, B]
+        agree[:, 0] = True
+        chain_ok = torch.cumprod(torch.cat([torch.ones_like(agree[:, :1]), agree[:, :-1]], 1).long(), 1).bool()
+        labels = torch.where(inside & chain_ok, pred[at], torch.full_like(pos, IGNORE))
     labels[:, 0] = IGNORE
     prev = ids[(pos - 1).clamp(min=0, max=T - 1)]
     return tokens.reshape(-1), pos.reshape(-1), labels.reshape(-1), prev.reshape(-1)
@@ -165,7 +176,8 @@ class DraftObjective(nn.Module):
         return (loss * w).sum(), hits
 
     def forward(self, feats: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor,
-                top_idx: torch.Tensor | None = None, top_logp: torch.Tensor | None = None) -> dict:
+                top_idx: torch.Tensor | None = None, top_logp: torch.Tensor | None = None,
+                pred: torch.Tensor | None = None) -> dict:
         """One sequence. feats [T, taps*H]; ids [T]; anchors [A]; top_* [T, K] (target's next-token top-K).
 
         Returns sums (not means): 'loss' (weighted), 'weight', per-position 'hits'/'hits_ar'/'count' [B].
@@ -175,7 +187,7 @@ class DraftObjective(nn.Module):
         dtype = self.embed_weight.dtype
         self.set_negatives(int(anchors.sum()) * 7919 + T)  # deterministic in the inputs (exact resume)
         kv = d.context_kv(feats.to(dtype), torch.arange(T))  # per layer [nkv, T, hd]
-        tokens, pos, labels, prev = block_inputs(ids, anchors, B, d.config.mask_token_id)  # [A*B]
+        tokens, pos, labels, prev = block_inputs(ids, anchors, B, d.config.mask_token_id, pred)  # [A*B]
         mask = block_mask(anchors, T, B)  # [A*B, T + A*B]
         h = d.forward_block(F.embedding(tokens, self.embed_weight), pos, kv, mask)  # [A*B, H]
         labels_d = self.draft_labels(labels)
@@ -219,7 +231,7 @@ class BatchObjective(nn.Module):
         for s, a in zip(seqs, anchors):
             if a.numel() == 0:
                 continue
-            r = self.obj(s["feats"], s["ids"], a, s.get("top_idx"), s.get("top_logp"))
+            r = self.obj(s["feats"], s["ids"], a, s.get("top_idx"), s.get("top_logp"), s.get("pred"))
             out = r if out is None else {k: out[k] + r[k] for k in out}
         return out
 

@@ -235,7 +235,8 @@ def anchors_for(seq: dict, step: int, index: int, cfg: TrainConfig) -> torch.Ten
 
 
 def local_weight(obj: DraftObjective, seq: dict, anchors: torch.Tensor) -> float:
-    _, _, labels, _ = block_inputs(seq["ids"], anchors, obj.cfg.block_size, obj.drafter.config.mask_token_id)
+    _, _, labels, _ = block_inputs(seq["ids"], anchors, obj.cfg.block_size, obj.drafter.config.mask_token_id,
+                                   seq.get("pred"))
     return float(obj.weights(labels).sum())
 
 
@@ -342,7 +343,7 @@ class Trainer:
             a = anchors_for(s, -1, i, self.cfg)
             if a.numel() == 0:
                 continue
-            r = self.val_obj(s["feats"], s["ids"], a, s["top_idx"], s["top_logp"])
+            r = self.val_obj(s["feats"], s["ids"], a, s["top_idx"], s["top_logp"], s.get("pred"))
             m[:B] += r["hits"]
             m[B:2 * B] += r["hits_ar"]
             m[2 * B:3 * B] += r["count"]
