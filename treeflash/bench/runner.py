@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from ..decoding.generate import Stats
 from ..errors import TreeflashError
+from ..fsutil import ensure_writable_dir
 from .datasets import DATASETS, Sample, sample_prompts
 from .methods import ALL_METHODS, TREE_METHODS, DecodeParams, Generation, Method, build_methods
 
@@ -89,17 +90,6 @@ class BenchConfig:
         return any(m in TREE_METHODS for m in self.methods)
 
 
-def check_out_dir(out: str | Path) -> Path:
-    """Create the output directory and prove it is writable (before any model is loaded)."""
-    path = Path(out).expanduser()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise TreeflashError(f"cannot write to output directory {str(path)!r}: {e.strerror or e}") from None
-    return path
 
 
 # ---- one prompt x one arm ----
@@ -171,7 +161,7 @@ def run_bench(cfg: BenchConfig, engine=None) -> dict:
     import torch
 
     cfg.validate()
-    out = check_out_dir(cfg.out)
+    out = ensure_writable_dir(cfg.out)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     samples = {d: sample_prompts(d, cfg.num_prompts, cfg.seed) for d in cfg.datasets}

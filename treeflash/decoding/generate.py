@@ -65,9 +65,9 @@ class Stats:
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance()],
             "mean_tree_size": round(sum(self.tree_sizes) / max(1, self.steps), 2),
             "tokens_per_second": round(self.tokens_per_second, 3),
-            "time_s": {"total": round(self.total_s, 4), "prefill": round(self.prefill_s, 4),
-                       "draft": round(self.draft_s, 4), "tree": round(self.tree_s, 4),
-                       "verify": round(self.verify_s, 4)},
+            "time_s": {"total": round(self.total_s, 6), "prefill": round(self.prefill_s, 6),
+                       "draft": round(self.draft_s, 6), "tree": round(self.tree_s, 6),
+                       "verify": round(self.verify_s, 6)},
             "finish_reason": self.finish_reason,
         }
 

@@ -47,7 +47,8 @@ def run_regen(args) -> int:
 
     from ..errors import TreeflashError
     from ..models.target import Target
-    from .data import RegenConfig, ensure_writable_dir, regenerate
+    from ..fsutil import ensure_writable_dir
+    from .data import RegenConfig, regenerate
 
     cfg = RegenConfig(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..errors import TreeflashError
+from ..fsutil import ensure_writable_dir
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 SHARD_GLOB = "shard-*.jsonl"
@@ -61,17 +62,6 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def ensure_writable_dir(path: Path) -> Path:
-    """Create `path` if needed and check that files can be written in it."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise TreeflashError(f"cannot write to output directory {path}: {e.strerror or e}") from None
-    return path
 
 
 # ---------------------------------------------------------------- step 1: prompts

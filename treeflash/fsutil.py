@@ -1,0 +1,19 @@
+"""Small filesystem helpers shared by the commands that write files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import TreeflashError
+
+
+def ensure_writable_dir(path: str | Path) -> Path:
+    """Create `path` if needed and prove files can be written in it (before any model loads)."""
+    path = Path(path).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise TreeflashError(f"cannot write to output directory {str(path)!r}: {e.strerror or e}") from None
+    return path
