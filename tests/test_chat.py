@@ -48,7 +48,7 @@ def chat_runs(model_dirs) -> dict[str, tuple[int, str, str]]:
     """Run `treeflash chat` once per scripted stdin (in parallel); name -> (rc, stdout, stderr)."""
     target_dir, drafter_dir = model_dirs
     cmd = [sys.executable, "-m", "treeflash.cli", "chat", "--target", str(target_dir), "--drafter",
-           str(drafter_dir), "--max-new-tokens", str(MAX_NEW), "--tree-size", "8", "--top-m", "2", "--top-k", "2"]
+           str(drafter_dir), "--max-new-tokens", str(MAX_NEW), "--tree-size", "8", "--top-m", "2", "--top-k", "2", "--dtype", "float32"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8", "PYTHONUNBUFFERED": "1"}
     procs = {name: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env=env) for name in SESSIONS}

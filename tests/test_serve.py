@@ -78,7 +78,7 @@ class Server:
         cmd = [sys.executable, "-m", "treeflash.cli", "serve", "--target", str(target_dir),
                "--drafter", str(drafter_dir), "--host", "127.0.0.1", "--port", str(self.port),
                "--api-key", API_KEY, "--served-model-name", "tiny", "--max-new-tokens", str(DEFAULT_MAX_TOKENS),
-               "--max-tokens-limit", str(MAX_TOKENS_LIMIT), *SPEC_ARGS, *extra]
+               "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--dtype", "float32", *SPEC_ARGS, *extra]
         self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=child_env())
 
     def wait_ready(self, timeout: float = 180) -> None:
