@@ -15,5 +15,6 @@ def ensure_writable_dir(path: str | Path) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise TreeflashError(f"cannot write to output directory {str(path)!r}: {e.strerror or e}") from None
+        raise TreeflashError(f"cannot write to output directory {str(path)!r}: not writable "
+                             f"({e.strerror or e})") from None
     return path

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import TreeflashError
+from ..fsutil import ensure_writable_dir
 from ..models.target import Target
 
 SHARD_GLOB = "shard-*.jsonl"
@@ -117,14 +118,7 @@ def build_cache(target: Target, data_dir: str | Path, out_dir: str | Path, layer
                 top_k: int = 8, max_len: int = 1024, limit_shards: int | None = None) -> list[Path]:
     """Cache features of every shard not cached yet (resumable); returns all feature files."""
     shards = list_shards(data_dir)[:limit_shards]
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise TreeflashError(f"cannot write features to {out}: {e.strerror}") from None
+    out = ensure_writable_dir(out_dir)
     bad = [i for i in layer_ids if not 0 <= i < target.config.num_hidden_layers]
     if bad:
         raise TreeflashError(f"tap layers {bad} out of range for a {target.config.num_hidden_layers}-layer target")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..errors import TreeflashError
+from ..fsutil import ensure_writable_dir
 from ..models.drafter import Drafter, DrafterConfig, check_fits, load_drafter
 from ..models.target import Target
 from .features import FeatureStore
@@ -208,13 +209,7 @@ def load_checkpoint(path: Path, drafter: Drafter, opt: torch.optim.Optimizer):
 
 
 def check_out_dir(out: Path, resume: bool) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise TreeflashError(f"output directory {out} is not writable ({e.strerror})") from None
+    ensure_writable_dir(out)
     if not resume and find_checkpoint(out) is not None:
         raise TreeflashError(f"{out} already holds a checkpoint; pass --resume to continue it "
                              "or choose another --out")
