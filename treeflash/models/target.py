@@ -93,8 +93,8 @@ class Target:
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
                 mask: torch.Tensor | None = None, logits_rows: slice | torch.Tensor | None = None):
-        # all inputs on self.device
-        """ids, positions [N]; mask [N, past+N] bool (True = may attend) or None for causal.
+        """ids, positions [N]; mask [N, past+N] bool (True = may attend) or None for causal; all on
+        self.device.
 
         Returns logits [n, V] (float32, for `logits_rows` or all N) and features [N, taps*H]
         (None without taps).
