@@ -136,7 +136,7 @@ def test_bad_tree_size_list_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--tree-size", "4,x"])
     assert e.value.code == 2
-    assert "comma list of numbers" in capsys.readouterr().err
+    assert "comma list of them" in capsys.readouterr().err
 
 
 def test_quick_preset_fits(tmp_path):

@@ -1,4 +1,6 @@
-"""KV-cache compaction and tree attention against fresh causal forwards."""
+"""KV-cache compaction and tree attention against fresh causal forwards, on every backend.
+
+References are the Hugging Face model's own full-sequence forward (independent of our paths)."""
 import pytest
 import torch
 
@@ -6,51 +8,67 @@ from treeflash.decoding.trees import marginal_tree
 
 from conftest import tiny_target
 
+def kv(cache, target):
+    """[layers] of (keys, values) [1, Hkv, length, D] for the live part of either cache type."""
+    if target.fast is None:
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    n = cache.length
+    return [(cache.k[i, :, :, :n], cache.v[i, :, :, :n]) for i in range(cache.k.shape[0])]
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_compacted_cache_equals_fresh_forward(arch):
-    target = tiny_target(arch)
-    target.set_taps([1, 2])
-    prefix = torch.arange(5, 25)
-    cache = target.new_cache()
-    target.forward(prefix, torch.arange(len(prefix)), cache)
-    start = len(prefix)
-    tree = marginal_tree(int(prefix[-1]) + 1, torch.randn(4, 128).log_softmax(-1), 14)
-    mask = torch.cat([torch.ones(len(tree), start, dtype=torch.bool), tree.ancestor_mask()], 1)
-    logits, feats = target.forward(tree.tokens, start + tree.depths, cache, mask=mask)
 
-    # a deepest path through the tree
-    leaf = int(tree.depths.argmax())
-    path, node = [], leaf
+def hf_reference(target, seq):
+    """Logits [T, V] and tap features [T, taps*H] of the HF model's own causal forward."""
+    out = target.model(seq[None], output_hidden_states=True)
+    hs = out.hidden_states  # embeddings, then the output of each layer
+    feats = torch.cat([hs[i + 1][0] for i in target.tap_ids], -1) if target.tap_ids else None
+    return out.logits[0].float(), feats
+
+
+def deepest_path(tree) -> torch.Tensor:
+    path, node = [], int(tree.depths.argmax())
     while node >= 0:
         path.append(node)
         node = int(tree.parents[node])
-    path = path[::-1]
-    keep = torch.tensor(path)
+    return torch.tensor(path[::-1])
+
+
+@pytest.mark.parametrize("arch,backend", [("llama", "hf"), ("qwen3", "hf"), ("llama", "static"),
+                                          ("qwen3", "static"), ("qwen3", "compiled")])  # compiling costs ~20 s
+def test_compacted_cache_equals_fresh_forward(arch, backend):
+    target = tiny_target(arch).set_backend(backend)
+    target.set_taps([1, 2])
+    prefix = torch.arange(5, 25)
+    cache = target.new_cache(64)
+    target.forward(prefix, torch.arange(len(prefix)), cache)
+    start = len(prefix)
+    tree = marginal_tree(int(prefix[-1]) + 1, torch.randn(4, 128).log_softmax(-1), 14)
+    logits, feats = target.forward(tree.tokens, start + tree.depths, cache, tree_mask=tree.ancestor_mask())
+    keep = deepest_path(tree)
     target.compact(cache, start, keep)
 
-    fresh_cache = target.new_cache()
     seq = torch.cat([prefix, tree.tokens[keep]])
-    f_logits, f_feats = target.forward(seq, torch.arange(len(seq)), fresh_cache)
-    for a, b in zip(cache.layers, fresh_cache.layers):
-        assert a.keys.shape == b.keys.shape
-        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+    fresh_cache = target.new_cache(64)
+    target.forward(seq, torch.arange(len(seq)), fresh_cache)
+    assert target.cache_length(cache) == target.cache_length(fresh_cache) == len(seq)
+    for (ka, va), (kb, vb) in zip(kv(cache, target), kv(fresh_cache, target)):
+        assert ka.shape == kb.shape
+        torch.testing.assert_close(ka, kb, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(va, vb, atol=1e-5, rtol=1e-5)
     # the tree forward saw exactly the causal context of each path node
-    torch.testing.assert_close(logits[keep], f_logits[start:], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(feats[keep], f_feats[start:], atol=1e-4, rtol=1e-4)
-    assert cache.get_seq_length() == len(seq)
+    ref_logits, ref_feats = hf_reference(target, seq)
+    torch.testing.assert_close(logits[keep], ref_logits[start:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(feats[keep], ref_feats[start:], atol=1e-4, rtol=1e-4)
 
 
-def test_tree_logits_of_every_node_match_its_own_path():
+@pytest.mark.parametrize("backend", ["hf", "static"])
+def test_tree_logits_of_every_node_match_its_own_path(backend):
     """Sibling branches must not see each other (ancestor-only mask)."""
-    target = tiny_target("qwen2")
+    target = tiny_target("qwen2").set_backend(backend)
     prefix = torch.arange(3, 13)
-    cache = target.new_cache()
+    cache = target.new_cache(32)
     target.forward(prefix, torch.arange(len(prefix)), cache)
     tree = marginal_tree(50, torch.randn(3, 128).log_softmax(-1), 10)
-    mask = torch.cat([torch.ones(len(tree), len(prefix), dtype=torch.bool), tree.ancestor_mask()], 1)
-    logits, _ = target.forward(tree.tokens, len(prefix) + tree.depths, cache, mask=mask)
+    logits, _ = target.forward(tree.tokens, len(prefix) + tree.depths, cache, tree_mask=tree.ancestor_mask())
     pars = tree.parents.tolist()
     for i in range(len(tree)):
         path, node = [], i
@@ -58,5 +76,18 @@ def test_tree_logits_of_every_node_match_its_own_path():
             path.append(int(tree.tokens[node]))
             node = pars[node]
         seq = torch.cat([prefix, torch.tensor(path[::-1])])
-        ref, _ = target.forward(seq, torch.arange(len(seq)), target.new_cache(), logits_rows=slice(-1, None))
-        torch.testing.assert_close(logits[i], ref[0], atol=1e-4, rtol=1e-4)
+        ref, _ = hf_reference(target, seq)
+        torch.testing.assert_close(logits[i], ref[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_static_backend_rejects_unsupported_models_and_full_caches():
+    from treeflash.errors import TreeflashError
+
+    target = tiny_target("llama").set_backend("static")
+    cache = target.new_cache(8)
+    with pytest.raises(TreeflashError, match="full"):
+        target.forward(torch.arange(cache.capacity + 1), torch.arange(cache.capacity + 1), cache)
+    target.config.model_type = "gpt2"
+    assert target.set_backend("auto").backend == "hf"
+    with pytest.raises(TreeflashError, match="supports"):
+        target.set_backend("static")

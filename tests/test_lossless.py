@@ -14,10 +14,17 @@ N = 48
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def setup(request):
-    target = tiny_target(request.param, logit_scale=3.0)
+def arch(request):
+    return request.param
+
+
+@pytest.fixture(scope="module", params=["hf", "static"])
+def setup(request, arch):
+    """The reference is plain greedy decoding on the HF backend (the model's own forward)."""
+    ref = vanilla(tiny_target(arch, logit_scale=3.0), PROMPT, N)
+    target = tiny_target(arch, logit_scale=3.0).set_backend(request.param)
     drafter = tiny_drafter(target, block_size=8)
-    ref = vanilla(target, PROMPT, N)
+    assert vanilla(target, PROMPT, N) == ref
     return target, drafter, ref
 
 
@@ -109,3 +116,13 @@ def test_default_model_is_lossless(default_engine, method):
         out = default_engine.generate(prompt, method=method, tree_size=budget, max_new_tokens=40)
         assert out.token_ids == ref.token_ids
         assert out.text == ref.text
+
+
+def test_compiled_backend_is_lossless():
+    """The compiled path (bucketed tree sizes, whole-cache mask) against HF plain greedy decoding."""
+    ref = vanilla(tiny_target("llama", logit_scale=3.0), PROMPT, N)
+    target = tiny_target("llama", logit_scale=3.0).set_backend("compiled")
+    drafter = tiny_drafter(target, block_size=8)
+    stats = Stats()
+    out = run(target, oracle("treeflash", target, drafter, PROMPT + ref, 16), PROMPT, N, stats=stats)
+    assert out == ref and stats.mean_acceptance_length > 1.5

@@ -38,11 +38,37 @@ def random_drafter(target: Target, seed: int = 0, **kw) -> Drafter:
     return Drafter(cfg).init_weights(seed).to(device=target.device, dtype=target.dtype).eval()
 
 
+# Calibration prompts for `tree_size="auto"` (not from any evaluation set).
+CALIBRATION_PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "A shop sells pens at 3 dollars each. How much do 7 pens and a 5 dollar notebook cost? Explain.",
+    "Give three tips for writing clear emails at work.",
+)
+
+
+@dataclass
+class AutoChoice:
+    """What `tree_size="auto"` picked, and from what."""
+
+    method: str
+    budget: int
+    expected_tokens_per_s: float
+    expected_tau: float
+    draft_s: float            # per step
+    verify_costs: dict        # {tree size: seconds per forward}
+
+    def summary(self) -> str:
+        return (f"tree size auto -> {self.budget} for {self.method} (expected tau {self.expected_tau:.2f}, "
+                f"{self.expected_tokens_per_s:.1f} tok/s; verify {self.verify_costs.get(1, 0) * 1e3:.1f} ms "
+                f"for 1 node, draft {self.draft_s * 1e3:.1f} ms/step)")
+
+
 class Engine:
     stage2_vocab = DEFAULT_STAGE2_VOCAB
 
     def __init__(self, target: Target, drafter: Drafter | None):
         self.target, self.drafter = target, drafter
+        self.auto: dict[tuple, AutoChoice] = {}
         if drafter is not None:
             check_fits(drafter.config, target.config, target.vocab_rows)
             drafter.to(device=target.device, dtype=target.dtype)
@@ -53,6 +79,8 @@ class Engine:
         sampling = SamplingParams(float(temperature), float(top_p), int(sampling_top_k)).check(self.target.vocab_rows)
         stage2 = self.stage2_vocab if stage2_vocab is None else int(stage2_vocab)
         stage2 = min(stage2, self.target.vocab_rows)
+        if tree_size == "auto":
+            tree_size = self.auto_tree_size(method, top_m, top_k, stage2).budget
         params = TreeParams(int(tree_size), int(top_m), int(top_k), stage2).check(self.target.vocab_rows)
         proposer = make_proposer(method, self.drafter, self.target.embed, self.target.lm_head, params)
         ids = self.target.encode(prompt, chat=chat)
@@ -76,6 +104,36 @@ class Engine:
             self.target.set_taps(self.drafter.config.target_layer_ids)  # a shared target, re-tapped
         with torch.no_grad():
             yield from decode(self.target, proposer, ids, int(max_new_tokens), sampling, seed, stats, stop_ids)
+
+    def auto_tree_size(self, method: str = "treeflash", top_m: int = 8, top_k: int = 8,
+                       stage2_vocab: int | None = None, max_budget: int = 64, tokens: int = 48) -> AutoChoice:
+        """The budget maximising expected tokens/s on this machine (`costmodel.best_budget`): the
+        target's verify cost per tree size (measured once, cached on disk), and this drafter's
+        acceptance of each best-first node, measured by a short calibration run at `max_budget`.
+        Memoised per engine and method."""
+        from .decoding import costmodel
+
+        key = (method, top_m, top_k, stage2_vocab, self.target.backend, self.target.tap_ids and tuple(self.target.tap_ids))
+        if key in self.auto:
+            return self.auto[key]
+        if method == "vanilla" or self.drafter is None:
+            choice = AutoChoice(method, 1, 0.0, 1.0, 0.0, {})
+        else:
+            if self.target.tap_ids != self.drafter.config.target_layer_ids:
+                self.target.set_taps(self.drafter.config.target_layer_ids)
+            costs = costmodel.measure(self.target)
+            stats = Stats()
+            for prompt in CALIBRATION_PROMPTS:
+                for _ in self.tokens(prompt, method=method, max_new_tokens=tokens, tree_size=max_budget,
+                                     top_m=top_m, top_k=top_k, stage2_vocab=stage2_vocab, stats=stats,
+                                     stop_ids=set()):
+                    pass
+            draft_s = (stats.draft_s + stats.tree_s) / max(1, stats.steps)
+            node_accept = stats.node_acceptance()
+            budget, rate = costmodel.best_budget(costs, node_accept, draft_s, range(2, max_budget + 1))
+            choice = AutoChoice(method, budget, rate, costmodel.expected_tau(node_accept, budget), draft_s, costs)
+        self.auto[key] = choice
+        return choice
 
     def stream(self, prompt, stats: Stats | None = None, **kw) -> Iterator[str]:
         """Yield text pieces as they are decoded (stop tokens are not shown)."""
@@ -111,15 +169,20 @@ def _load_target(name: str, dtype, device: str = "cpu") -> Target:
 
 
 def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = None,
-         dtype: str = "float32", seed: int = 0, quiet: bool = False, device: str | None = None) -> Engine:
+         dtype: str = "float32", seed: int = 0, quiet: bool = False, device: str | None = None,
+         backend: str = "auto") -> Engine:
     """Load a target (built-in name, HF directory or .gguf) and a drafter.
 
     drafter: None -> the shipped drafter of the target (a random one, with a warning, if none is
     shipped); "random" -> a random-initialised drafter; a path -> that drafter directory;
     "none" -> no drafter (vanilla decoding only). dtype "auto": bf16 where the hardware computes
-    it natively, else fp32. device: "cuda" when a GPU is present, else "cpu".
+    it natively, else fp32. device: "cuda" when a GPU is present, else "cpu". backend: the
+    target's forward path (`Target.set_backend`): auto | hf | static | compiled; it belongs to the
+    (cached, shared) target, so the last engine loaded sets it.
     """
     tgt = _load_target(target, parse_dtype(dtype), device or default_device())
+    if backend != tgt.backend:
+        tgt.set_backend(backend)
     if isinstance(drafter, Drafter):
         d = drafter
     elif drafter == "none":

@@ -26,6 +26,14 @@ def engine_kwargs(args) -> dict:
                 stage2_vocab=getattr(args, "stage2_vocab", None))
 
 
+def resolve_tree_size(engine, args) -> None:
+    """Replace --tree-size auto by the measured choice, and say what it was (stderr)."""
+    if args.tree_size == "auto":
+        choice = engine.auto_tree_size(args.method, args.top_m, args.top_k, getattr(args, "stage2_vocab", None))
+        print(f"treeflash: {choice.summary()}", file=sys.stderr)
+        args.tree_size = choice.budget
+
+
 def check_prompt(prompt: str) -> None:
     from .errors import TreeflashError
 
@@ -39,8 +47,9 @@ def run(args) -> int:
     from .decoding.generate import Stats
 
     check_prompt(args.prompt)
-    engine = api.load(args.target, args.drafter, dtype=args.dtype, seed=args.seed or 0,
+    engine = api.load(args.target, args.drafter, dtype=args.dtype, seed=args.seed or 0, backend=args.backend,
                       quiet=args.method == "vanilla")
+    resolve_tree_size(engine, args)
     kw = engine_kwargs(args)
     if args.json:
         r = engine.generate(args.prompt, chat=args.chat, **kw)

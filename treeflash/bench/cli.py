@@ -9,11 +9,11 @@ def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _sizes(value: str) -> list[int]:
+def _sizes(value: str) -> list[int | str]:
     try:
-        return [int(v) for v in _csv(value)]
+        return [v if v == "auto" else int(v) for v in _csv(value)]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or a comma list of numbers, got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, 'auto' or a comma list of them, got {value!r}") from None
 
 
 def register(sub) -> None:
@@ -29,13 +29,16 @@ def register(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (default 20)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
     p.add_argument("--tree-size", type=_sizes, default=None,
-                   help="nodes verified per step; a comma list (e.g. 4,8,16,32,64) sweeps the budget (default 16)")
+                   help="nodes verified per step; a comma list (e.g. 4,8,16,32,auto) sweeps the budget; auto picks "
+                        "each method's best budget on this machine (see treeflash generate --help); default 16")
     p.add_argument("--top-m", type=int, default=8, help="TreeFlash stage-1 candidates per position")
     p.add_argument("--top-k", type=int, default=8, help="TreeFlash stage-2 children per candidate")
     p.add_argument("--stage2-vocab", type=int, default=None,
                    help="TreeFlash stage 2 scores each position's top-N marginal tokens (0 = all; default: engine's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--backend", default="auto", choices=["auto", "hf", "static", "compiled"],
+                   help="target forward path for our methods (see treeflash generate --help)")
     p.add_argument("--target", default="smollm2-135m", help="built-in name, HF model directory or .gguf file")
     p.add_argument("--drafter", default=None, help="drafter directory, 'random', or default: the shipped one")
     p.add_argument("--assistant", default=None, help="NAME|PATH of a smaller same-tokenizer model for hf-assisted")
@@ -66,7 +69,7 @@ def config_from_args(args):
             setattr(cfg, k, v)
     if args.assistant and args.methods is None and "hf-assisted" not in cfg.methods:
         cfg.methods = cfg.methods + ["hf-assisted"]
-    for k in ("temperature", "dtype", "target", "drafter", "assistant", "seed", "top_m", "top_k", "stage2_vocab", "repeats",
+    for k in ("temperature", "dtype", "backend", "target", "drafter", "assistant", "seed", "top_m", "top_k", "stage2_vocab", "repeats",
               "warmup", "humaneval_timeout", "threads", "out"):
         setattr(cfg, k, getattr(args, k))
     return cfg.validate()

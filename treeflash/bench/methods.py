@@ -200,8 +200,22 @@ def load_assistant(name_or_path: str, target):
     return asst.model
 
 
-def build_methods(engine, names: list[str], tree_sizes: list[int], target_name: str,
-                  assistant_model=None, threads: int | None = None) -> tuple[list[Method], list[str]]:
+def resolve_sizes(engine, name: str, tree_sizes: list, p: DecodeParams | None, notes: list[str]) -> list[int]:
+    """The budgets of one tree method; "auto" becomes the engine's measured choice (noted)."""
+    out: list[int] = []
+    for b in tree_sizes:
+        if b == "auto":
+            kw = {} if p is None else dict(top_m=p.top_m, top_k=p.top_k, stage2_vocab=p.stage2_vocab)
+            choice = engine.auto_tree_size(name, **kw)
+            notes.append(choice.summary())
+            b = choice.budget
+        if b not in out:
+            out.append(b)
+    return out
+
+
+def build_methods(engine, names: list[str], tree_sizes: list, target_name: str, assistant_model=None,
+                  threads: int | None = None, params: DecodeParams | None = None) -> tuple[list[Method], list[str]]:
     """One Method per arm (tree methods once per budget), in the requested order; plus skip notes."""
     arms: list[Method] = []
     notes: list[str] = []
@@ -209,7 +223,7 @@ def build_methods(engine, names: list[str], tree_sizes: list[int], target_name: 
         if name == "vanilla":
             arms.append(EngineMethod(engine, name, None))
         elif name in TREE_METHODS:
-            arms += [EngineMethod(engine, name, b) for b in tree_sizes]
+            arms += [EngineMethod(engine, name, b) for b in resolve_sizes(engine, name, tree_sizes, params, notes)]
         elif name in HF_METHODS:
             arms.append(HFMethod(engine.target, name, assistant_model if name == "hf-assisted" else None))
         elif name == "llama-cpp":

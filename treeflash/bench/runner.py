@@ -35,9 +35,10 @@ class BenchConfig:
                                                         "hf-generate", "hf-prompt-lookup", "llama-cpp"])
     num_prompts: int = 20
     max_new_tokens: int = 256
-    tree_sizes: list[int] = field(default_factory=lambda: [16])
+    tree_sizes: list = field(default_factory=lambda: [16])  # ints and/or "auto"
     temperature: float = 0.0
     dtype: str = "bfloat16"
+    backend: str = "auto"  # the target forward path (Target.set_backend)
     target: str = "smollm2-135m"
     drafter: str | None = None
     assistant: str | None = None
@@ -68,7 +69,8 @@ class BenchConfig:
             raise TreeflashError(f"--num-prompts must be >= 1, got {self.num_prompts}")
         if self.max_new_tokens < 1:
             raise TreeflashError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.tree_sizes or min(self.tree_sizes) < 1:
+        numeric = [b for b in self.tree_sizes if b != "auto"]
+        if not self.tree_sizes or any(not isinstance(b, int) for b in numeric) or (numeric and min(numeric) < 1):
             raise TreeflashError(f"--tree-size values must be >= 1, got {self.tree_sizes}")
         if self.temperature < 0:
             raise TreeflashError(f"--temperature must be >= 0, got {self.temperature}")
@@ -149,7 +151,7 @@ def load_engine(cfg: BenchConfig):
     from .. import api
 
     drafter = cfg.drafter if cfg.needs_drafter else "none"
-    return api.load(cfg.target, drafter, dtype=cfg.dtype, seed=cfg.seed,
+    return api.load(cfg.target, drafter, dtype=cfg.dtype, seed=cfg.seed, backend=cfg.backend,
                     quiet=not cfg.needs_drafter)
 
 
@@ -168,10 +170,10 @@ def run_bench(cfg: BenchConfig, engine=None) -> dict:
     load_start = os.getloadavg()
     engine = engine if engine is not None else load_engine(cfg)
     assistant = load_assistant(cfg.assistant, engine.target) if "hf-assisted" in cfg.methods else None
-    arms, notes = build_methods(engine, cfg.methods, cfg.tree_sizes, cfg.target, assistant, cfg.threads)
+    p = DecodeParams(cfg.max_new_tokens, cfg.temperature, cfg.top_m, cfg.top_k, cfg.seed, cfg.stage2_vocab)
+    arms, notes = build_methods(engine, cfg.methods, cfg.tree_sizes, cfg.target, assistant, cfg.threads, p)
     if not arms:
         raise TreeflashError("none of the requested methods can run here: " + "; ".join(notes))
-    p = DecodeParams(cfg.max_new_tokens, cfg.temperature, cfg.top_m, cfg.top_k, cfg.seed, cfg.stage2_vocab)
     if cfg.warmup:
         warm_up(arms, engine.target, p)
 

@@ -29,6 +29,7 @@ class Stats:
     acceptance_lengths: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: steps accepting >= j+1 drafts
     tree_sizes: list[int] = field(default_factory=list)
+    node_hits: list[int] = field(default_factory=list)  # [i]: steps whose accepted path holds node i+1
     prefill_s: float = 0.0
     draft_s: float = 0.0
     tree_s: float = 0.0
@@ -36,8 +37,12 @@ class Stats:
     total_s: float = 0.0
     finish_reason: str = "length"
 
-    def record(self, n_accepted: int, tree_size: int) -> None:
+    def record(self, n_accepted: int, tree_size: int, path: list[int] = ()) -> None:
         self.steps += 1
+        for node in path[1:]:  # node indices follow the builder's (best-first) order
+            while len(self.node_hits) < node:
+                self.node_hits.append(0)
+            self.node_hits[node - 1] += 1
         self.acceptance_lengths.append(n_accepted + 1)
         self.tree_sizes.append(tree_size)
         while len(self.accepted_per_position) < n_accepted:
@@ -56,6 +61,10 @@ class Stats:
     def per_position_acceptance(self) -> list[float]:
         """vLLM-style: fraction of steps whose draft was accepted at least up to position j+1."""
         return [a / max(1, self.steps) for a in self.accepted_per_position]
+
+    def node_acceptance(self) -> list[float]:
+        """[i]: fraction of steps whose accepted path held the (i+1)-th best-first draft node."""
+        return [h / max(1, self.steps) for h in self.node_hits]
 
     def to_dict(self) -> dict:
         return {
@@ -86,7 +95,8 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     drafter = proposer.drafter
     dcache = DraftCache(len(drafter.model.layers)) if drafter is not None else None
-    cache = target.new_cache()
+    block = drafter.block_size if drafter is not None else 1
+    cache = target.new_cache(min(limit, len(prompt_ids) + max_new_tokens + block))
     proposer.timings = {"draft": 0.0, "tree": 0.0}
     stats.prompt_tokens = len(prompt_ids)
     t_start = time.perf_counter()
@@ -116,16 +126,15 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
         max_depth = min(max_new_tokens - produced - 1, limit - start - 2)
         tree = proposer.propose(dcache, root, start, max_depth)
         t0 = time.perf_counter()
-        mask = torch.cat([torch.ones(len(tree), start, dtype=torch.bool), tree.ancestor_mask()], 1)
         logits, feats = target.forward(tree.tokens.to(dev), (start + tree.depths).to(dev), cache,
-                                       mask=mask.to(dev))
+                                       tree_mask=tree.ancestor_mask().to(dev))
         acc = accept(tree, logits, sampling, gen)
         keep = torch.tensor(acc.path, device=dev)
         target.compact(cache, start, keep)
         if drafter is not None:
             drafter.extend(dcache, feats[keep], start + torch.arange(len(keep), device=dev))
         stats.verify_s += time.perf_counter() - t0
-        stats.record(len(acc.accepted), len(tree))
+        stats.record(len(acc.accepted), len(tree), acc.path)
         for tok in acc.accepted:  # the root was yielded last step; accepted drafts follow
             stats.new_tokens = produced = produced + 1
             yield tok
@@ -137,5 +146,6 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
             root = acc.bonus
             continue
         break
-    stats.draft_s, stats.tree_s = proposer.timings["draft"], proposer.timings["tree"]
+    stats.draft_s += proposer.timings["draft"]
+    stats.tree_s += proposer.timings["tree"]
     stats.total_s = time.perf_counter() - t_start

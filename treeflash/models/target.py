@@ -1,8 +1,12 @@
 """The target LLM: any Hugging Face causal LM with embed_tokens / lm_head.
 
 - hidden states of chosen layers are captured with forward hooks (not output_hidden_states),
-- `forward` runs a flat sequence or a draft tree (4-D ancestor-only mask, positions start+depth),
+- `forward` appends a flat sequence or a draft tree to the KV cache (ancestor-only mask among
+  the new tokens, positions start+depth) and returns its logits and tap features,
 - `compact` keeps only the accepted path in the KV cache.
+
+Backends (`set_backend`): `hf` runs the model's own forward over a DynamicCache (any causal LM);
+`static` and `compiled` run `fastpath.FastPath` (Llama-family) over a preallocated cache.
 """
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ..errors import TreeflashError
 from . import registry
+from .fastpath import FastPath, StaticKV, supported
+
+BACKENDS = ("auto", "hf", "static", "compiled")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,6 +63,18 @@ class Target:
         self._taps: dict[int, torch.Tensor] = {}
         self._hooks = []
         self.tap_ids: list[int] = []
+        self.fast: FastPath | None = None
+        self.backend = "hf"
+
+    def set_backend(self, name: str) -> "Target":
+        """auto (static where supported, else hf) | hf | static | compiled."""
+        if name not in BACKENDS:
+            raise TreeflashError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+        if name == "auto":
+            name = "static" if supported(self.config) else "hf"
+        self.fast = None if name == "hf" else FastPath(self.model, compile=name == "compiled")
+        self.backend = name
+        return self
 
     # ---- loading ----
     @classmethod
@@ -87,23 +106,35 @@ class Target:
         return fn
 
     # ---- forward ----
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+    def new_cache(self, need: int | None = None) -> DynamicCache | StaticKV:
+        """An empty KV cache for at most `need` tokens (the static backends preallocate it)."""
+        if self.fast is None:
+            return DynamicCache(config=self.config)
+        return self.fast.new_cache(need or self.max_length, self.max_length)
+
+    @staticmethod
+    def cache_length(cache: DynamicCache | StaticKV) -> int:
+        return cache.length if isinstance(cache, StaticKV) else cache.get_seq_length()
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                mask: torch.Tensor | None = None, logits_rows: slice | torch.Tensor | None = None):
-        """ids, positions [N]; mask [N, past+N] bool (True = may attend) or None for causal; all on
-        self.device.
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | StaticKV,
+                tree_mask: torch.Tensor | None = None, logits_rows: slice | torch.Tensor | None = None):
+        """Append ids, positions [N] to the cache. tree_mask [N, N] bool (True = may attend) among
+        the new tokens, or None for causal; every new token sees the whole cache before it.
 
         Returns logits [n, V] (float32, for `logits_rows` or all N) and features [N, taps*H]
-        (None without taps).
+        (None without taps). All tensors on self.device.
         """
+        start = self.cache_length(cache)
+        if isinstance(cache, StaticKV):
+            out = self.fast.forward(cache, ids, positions, start, tree_mask, self.tap_ids, logits_rows)
+            cache.length = start + len(ids)
+            return out
         attn = None
-        if mask is not None:
-            attn = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
-            attn.masked_fill_(~mask, torch.finfo(self.dtype).min)
-            attn = attn[None, None]  # [1, 1, N, past+N]
+        if tree_mask is not None:
+            attn = torch.zeros(len(ids), start + len(ids), dtype=self.dtype, device=self.device)
+            attn[:, start:].masked_fill_(~tree_mask, torch.finfo(self.dtype).min)
+            attn = attn[None, None]  # [1, 1, N, start+N]
         self._taps.clear()
         out = self.decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=attn,
                            cache=cache, use_cache=True)
@@ -115,8 +146,11 @@ class Target:
         return logits, feats
 
     @staticmethod
-    def compact(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
+    def compact(cache: DynamicCache | StaticKV, start: int, keep: torch.Tensor) -> None:
         """Keep cache[:start] and the tree nodes `keep` [K] (indices relative to start), in order."""
+        if isinstance(cache, StaticKV):
+            cache.compact(start, keep)
+            return
         for layer in cache.layers:
             idx = start + keep
             layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, idx]], 2)

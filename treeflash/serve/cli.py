@@ -35,7 +35,7 @@ def register(sub) -> None:
 def _load_engine(args):
     from .. import api
 
-    return api.load(args.target, args.drafter, dtype=args.dtype, seed=args.seed or 0,
+    return api.load(args.target, args.drafter, dtype=args.dtype, seed=args.seed or 0, backend=args.backend,
                     quiet=args.method == "vanilla")
 
 
@@ -98,6 +98,11 @@ def run_serve(args) -> int:
     if not _is_loopback(args.host) and not args.api_key:
         print(f"treeflash: warning: serving on {args.host} without --api-key", file=sys.stderr)
     engine = _load_engine(args)
+    if args.tree_size == "auto":
+        from ..cli_generate import resolve_tree_size
+
+        resolve_tree_size(engine, args)
+        config.tree_size = args.tree_size
     _warm_up(engine, config)
     app = create_app(engine, config)
     print(f"treeflash: serving {config.model_name!r} ({args.method}, tree size {args.tree_size}) "
@@ -108,10 +113,11 @@ def run_serve(args) -> int:
 
 
 def run_chat(args) -> int:
-    from ..cli_generate import engine_kwargs
+    from ..cli_generate import engine_kwargs, resolve_tree_size
     from .chat import HELP, ChatSession, line_reader
 
     engine = _load_engine(args)
+    resolve_tree_size(engine, args)
     session = ChatSession(engine, engine_kwargs(args), system=args.system)
     print(f"treeflash chat: {args.target} ({args.method}). {HELP}", file=sys.stderr, flush=True)
     return session.run(line_reader(sys.stdin))

@@ -1,0 +1,112 @@
+"""What a verify forward costs, and which tree size that makes best (`--tree-size auto`).
+
+`measure` times the target's forward for trees of 1..64 nodes after a fixed context (median of a
+few runs, after a warm-up that also triggers compilation on the compiled backend) and caches the
+result per machine, model, dtype, backend and thread count in ~/.cache/treeflash/costs.json.
+
+`best_budget` picks the budget b that maximises expected tokens per second,
+    E[tau(b)] / (t_draft + t_verify(b)),
+where E[tau(b)] = 1 + (expected accepted drafts with b-1 best-first nodes), taken from the
+drafter's measured per-position acceptance at the largest budget (see `expected_tau`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+CACHE_FILE = Path(os.environ.get("TREEFLASH_CACHE", Path.home() / ".cache" / "treeflash")) / "costs.json"
+
+
+def machine_key(target, context: int) -> str:
+    cpu = platform.processor() or platform.machine()
+    return "|".join([cpu, str(os.cpu_count()), str(torch.get_num_threads()), target.name, str(target.dtype),
+                     target.backend, str(context)])
+
+
+@torch.no_grad()
+def time_forward(target, n: int, context: int, repeats: int = 5) -> float:
+    """Median seconds of one n-node tree forward (a chain: the mask shape is what matters) after
+    `context` cached tokens."""
+    dev = target.device
+    cache = target.new_cache(context + 64)
+    target.forward(torch.arange(context, device=dev) % 1000 + 10, torch.arange(context, device=dev), cache)
+    ids = torch.arange(n, device=dev) + 7
+    pos = context + torch.arange(n, device=dev)
+    mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
+    times = []
+    for r in range(repeats + 1):  # the first run warms up (and compiles)
+        t0 = time.perf_counter()
+        target.forward(ids, pos, cache, tree_mask=mask)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if r:
+            times.append(time.perf_counter() - t0)
+        target.compact(cache, context, torch.arange(0, device=dev))
+    return statistics.median(times)
+
+
+def measure(target, sizes=SIZES, context: int = 256, repeats: int = 5, use_cache: bool = True) -> dict[int, float]:
+    """{tree size: seconds per verify forward}; cached on disk per machine/model/dtype/backend."""
+    key = machine_key(target, context)
+    saved = _load()
+    have = {int(k): v for k, v in saved.get(key, {}).items()}
+    if use_cache and all(s in have for s in sizes):
+        return {s: have[s] for s in sizes}
+    costs = {s: time_forward(target, s, context, repeats) for s in sizes}
+    saved[key] = {**{str(k): v for k, v in have.items()}, **{str(k): v for k, v in costs.items()}}
+    _save(saved)
+    return costs
+
+
+def _load() -> dict:
+    try:
+        return json.loads(CACHE_FILE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save(data: dict) -> None:
+    try:
+        CACHE_FILE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = CACHE_FILE.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(CACHE_FILE)
+    except OSError:
+        pass  # a cache, not a result: measuring again next time is fine
+
+
+def interpolate(costs: dict[int, float], n: int) -> float:
+    """Cost of an n-node forward, linear between measured sizes (flat beyond the largest)."""
+    xs = sorted(costs)
+    if n <= xs[0]:
+        return costs[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if n <= b:
+            return costs[a] + (costs[b] - costs[a]) * (n - a) / (b - a)
+    return costs[xs[-1]]
+
+
+def expected_tau(node_accept: list[float], budget: int) -> float:
+    """1 + the expected accepted drafts of a best-first tree with `budget` nodes (root included),
+    given node_accept[i] = the measured rate at which the i-th best-first non-root node lay on
+    the accepted path. Best-first order adds nodes in decreasing path probability, so a smaller
+    budget keeps a prefix of that order."""
+    return 1.0 + sum(node_accept[:max(0, budget - 1)])
+
+
+def best_budget(costs: dict[int, float], node_accept: list[float], draft_s: float,
+                candidates=range(2, 65)) -> tuple[int, float]:
+    """(budget, expected tokens/s) maximising expected_tau(b) / (draft_s + verify(b))."""
+    best = (1, 1.0 / costs[min(costs)])  # plain decoding: one token per 1-token forward, no draft
+    for b in candidates:
+        rate = expected_tau(node_accept, b) / (draft_s + interpolate(costs, b))
+        if rate > best[1]:
+            best = (b, rate)
+    return best

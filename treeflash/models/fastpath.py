@@ -1,0 +1,177 @@
+"""A lean target forward for Llama-family models over a preallocated KV cache (gpt-fast style).
+
+The Hugging Face modules keep their weights; this file replaces only the glue around them: no
+mask factory, no per-step cache concatenation, taps read inline instead of by hooks. Tree nodes
+are written to consecutive cache slots `start .. start+N-1` (positions `start + depth`), and
+`StaticKV.compact` moves the accepted path to the front of those slots in place.
+
+Two modes:
+- eager (`compile=False`): attention reads only the live slots `[:start+N]`; any N.
+- compiled (`compile=True`): `torch.compile` (inductor, freezing) of one step for a few bucketed
+  tree sizes; attention reads the whole cache (capacity fixed per cache, a multiple of 512) under
+  a bool mask, so each (bucket, capacity) pair compiles once and is cached on disk by inductor.
+  Prefill (and any flat sequence of more than one token) runs eagerly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import TreeflashError
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+BUCKETS = (1, 8, 16, 32, 64)  # compiled tree sizes; a tree is padded to the next one
+CAPACITY_STEP = 512
+
+
+def supported(config) -> bool:
+    """Llama-family decoder with full attention in every layer (no sliding window)."""
+    layer_types = getattr(config, "layer_types", None) or []
+    return config.model_type in SUPPORTED and all(t == "full_attention" for t in layer_types)
+
+
+class StaticKV:
+    """Preallocated cache. k, v: [layers, 1, Hkv, capacity, D]; slots < `length` hold the context."""
+
+    def __init__(self, layers: int, n_kv: int, head_dim: int, capacity: int, dtype, device):
+        self.k = torch.zeros(layers, 1, n_kv, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Keep slots [:start] and the tree slots start+keep [K] (in order) at start..start+K-1."""
+        idx = start + keep
+        n = len(keep)
+        self.k[:, :, :, start:start + n] = self.k[:, :, :, idx]  # the gather copies first: no aliasing
+        self.v[:, :, :, start:start + n] = self.v[:, :, :, idx]
+        self.length = start + n
+
+
+def causal(n: int, device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril_()  # [N, N]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class FastPath:
+    """One decoder forward over the HF modules of `model` (a *ForCausalLM), writing a StaticKV."""
+
+    def __init__(self, model, compile: bool = False):
+        if not supported(model.config):
+            raise TreeflashError(f"the static-cache path supports {', '.join(SUPPORTED)} (full attention); "
+                                 f"got {model.config.model_type}: use --backend hf")
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        attn = self.decoder.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.n_kv = model.config.num_key_value_heads
+        self.scaling = attn.scaling
+        self.qk_norm = hasattr(attn, "q_norm")
+        self.compile = compile
+        self._compiled = {}  # tap ids -> compiled step
+
+    # ---- cache ----
+    def new_cache(self, need: int, max_length: int) -> StaticKV:
+        cap = min(max_length + BUCKETS[-1], -(-need // CAPACITY_STEP) * CAPACITY_STEP)
+        p = next(self.model.parameters())
+        return StaticKV(len(self.decoder.layers), self.n_kv, self.head_dim, cap, p.dtype, p.device)
+
+    # ---- the step ----
+    def _layers(self, x, pos, slots, mask, k_cache, v_cache, n_keys: int | None, tap_ids: tuple):
+        """x [N, H]; pos, slots [N]; mask [N, n_keys or capacity] bool.
+
+        Returns h [N, H] (final-normed) and the outputs [N, H] of the layers `tap_ids`, in order."""
+        x = x[None]  # [1, N, H]
+        cos, sin = self.decoder.rotary_emb(x, pos[None])  # [1, N, D]
+        cos, sin = cos[:, None], sin[:, None]             # [1, 1, N, D]
+        attn_mask = mask[None, None]                      # [1, 1, N, S]
+        taps = {}
+        for i, layer in enumerate(self.decoder.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(1, -1, a.config.num_attention_heads, self.head_dim)  # [1, N, Hq, D]
+            k = a.k_proj(h).view(1, -1, self.n_kv, self.head_dim)
+            v = a.v_proj(h).view(1, -1, self.n_kv, self.head_dim).transpose(1, 2)  # [1, Hkv, N, D]
+            if self.qk_norm:
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k_cache[i].index_copy_(2, slots, k)
+            v_cache[i].index_copy_(2, slots, v)
+            keys, values = k_cache[i], v_cache[i]  # [1, Hkv, S, D]
+            if n_keys is not None:
+                keys, values = keys[:, :, :n_keys], values[:, :, :n_keys]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scaling,
+                                               enable_gqa=True)  # [1, Hq, N, D]
+            x = x + a.o_proj(o.transpose(1, 2).reshape(1, o.shape[2], -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in tap_ids:
+                taps[i] = x[0]
+        return self.decoder.norm(x[0]), [taps[i] for i in tap_ids]
+
+    def _step(self, ids, pos, slots, mask, k_cache, v_cache, tap_ids: tuple):
+        """The compiled unit: all rows' logits [N, V] and the taps [N, taps*H]."""
+        h, taps = self._layers(self.decoder.embed_tokens(ids), pos, slots, mask, k_cache, v_cache, None, tap_ids)
+        feats = torch.cat(taps, -1) if taps else h[:, :0]
+        return self.lm_head(h).float(), feats
+
+    def _compiled_step(self, tap_ids: tuple):
+        if tap_ids not in self._compiled:
+            import torch._inductor.config as inductor_config
+
+            inductor_config.freezing = True  # weights as constants: what makes compiling pay on CPU
+            self._compiled[tap_ids] = torch.compile(self._step, dynamic=False, fullgraph=True)
+        return self._compiled[tap_ids]
+
+    @torch.no_grad()
+    def forward(self, cache: StaticKV, ids, positions, start: int, tree_mask, tap_ids: list[int],
+                logits_rows=None):
+        """ids, positions [N] for slots start..start+N-1; tree_mask [N, N] bool among the new
+        tokens (None: causal). Returns logits [n, V] float32 and features [N, taps*H] (or None)."""
+        n, taps = len(ids), tuple(tap_ids)
+        end = start + n
+        if end > cache.capacity:
+            raise TreeflashError(f"KV cache of {cache.capacity} slots is full (needed {end})")
+        dev = ids.device
+        bucket = next((b for b in BUCKETS if b >= n), None)
+        flat_prefill = tree_mask is None and n > 1
+        if self.compile and not flat_prefill and bucket is not None and start + bucket <= cache.capacity:
+            logits, feats = self._run_compiled(cache, ids, positions, start, tree_mask, taps, bucket)
+        else:
+            mask = torch.ones(n, end, dtype=torch.bool, device=dev)  # [N, start+N]
+            mask[:, start:] = causal(n, dev) if tree_mask is None else tree_mask
+            slots = torch.arange(start, end, device=dev)
+            h, tap_list = self._layers(self.decoder.embed_tokens(ids), positions, slots, mask, cache.k, cache.v,
+                                       end, taps)
+            if logits_rows is not None:
+                h = h[logits_rows]
+            logits = self.lm_head(h).float()
+            feats = torch.cat(tap_list, -1) if tap_list else None
+            return logits, feats
+        if logits_rows is not None:
+            logits = logits[logits_rows]
+        return logits, (feats if taps else None)
+
+    def _run_compiled(self, cache, ids, positions, start, tree_mask, taps, bucket):
+        n, dev = len(ids), ids.device
+        pad = bucket - n
+        mask = torch.zeros(bucket, cache.capacity, dtype=torch.bool, device=dev)  # [Nb, capacity]
+        mask[:, :start] = True
+        mask[:n, start:start + n] = causal(n, dev) if tree_mask is None else tree_mask
+        if pad:  # padded rows attend to their own slot only; their cache slots are scratch
+            r = torch.arange(n, bucket, device=dev)
+            mask[r, start + r] = True
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            positions = torch.cat([positions, positions.new_full((pad,), int(positions[-1]))])
+        slots = torch.arange(start, start + bucket, device=dev)
+        logits, feats = self._compiled_step(taps)(ids, positions, slots, mask, cache.k, cache.v, taps)
+        return logits[:n], feats[:n]
