@@ -431,3 +431,38 @@ def test_published_checkpoint_drafts_losslessly_in_the_engine(tmp_path, method):
     want = list(engine.tokens(prompt, method="vanilla", max_new_tokens=24, chat=False))
     got = list(engine.tokens(prompt, method=method, max_new_tokens=24, chat=False, tree_size=8, top_m=3, top_k=3))
     assert got == want and len(got) == 24
+
+
+def test_draft_vocabulary_round_trips_restricts_proposals_and_rejects_bad_files(tmp_path):
+    """A drafter's draft vocabulary (draft_vocab.safetensors) limits what it proposes, never what
+    the target verifies; a damaged file is a clear error."""
+    from safetensors.torch import save_file
+
+    from treeflash.decoding.proposers import TreeParams, make_proposer
+    from treeflash.errors import TreeflashError
+    from treeflash.models.drafter import DRAFT_VOCAB_NAME, DraftCache, load_drafter
+    from conftest import run, tiny_drafter, tiny_target, vanilla
+
+    target = tiny_target("llama", logit_scale=3.0)
+    d = tiny_drafter(target)
+    vocab = torch.arange(0, 128, 3)  # every third token
+    d.draft_vocab = vocab
+    d.save(tmp_path / "d", dtype=None)
+    loaded = load_drafter(tmp_path / "d")
+    assert torch.equal(loaded.draft_vocab, vocab)
+    p = make_proposer("marginal", loaded, target.embed, target.lm_head, TreeParams(12))
+    cache = DraftCache(1)
+    loaded.extend(cache, torch.randn(6, 2 * 64), torch.arange(6))
+    tree = p.propose(cache, 5, 6, 7)
+    assert len(tree) == 12 and all(int(t) % 3 == 0 for t in tree.tokens[1:])
+    full = make_proposer("marginal", loaded, target.embed, target.lm_head, TreeParams(12, draft_vocab=False))
+    assert any(int(t) % 3 for t in full.propose(cache, 5, 6, 7).tokens[1:])
+    prompt = list(range(3, 30, 2))
+    assert run(target, p, prompt, 24) == vanilla(target, prompt, 24)  # still lossless
+
+    save_file({"token_ids": torch.tensor([1, 500])}, str(tmp_path / "d" / DRAFT_VOCAB_NAME))
+    with pytest.raises(TreeflashError, match="outside the vocabulary"):
+        load_drafter(tmp_path / "d")
+    (tmp_path / "d" / DRAFT_VOCAB_NAME).write_bytes(b"junk")
+    with pytest.raises(TreeflashError, match="unreadable"):
+        load_drafter(tmp_path / "d")

@@ -75,13 +75,13 @@ class Engine:
             target.set_taps(drafter.config.target_layer_ids)
 
     def _prepare(self, prompt, method, max_new_tokens, temperature, top_p, sampling_top_k,
-                 tree_size, top_m, top_k, stage2_vocab, chat):
+                 tree_size, top_m, top_k, stage2_vocab, chat, draft_vocab=True):
         sampling = SamplingParams(float(temperature), float(top_p), int(sampling_top_k)).check(self.target.vocab_rows)
         stage2 = self.stage2_vocab if stage2_vocab is None else int(stage2_vocab)
         stage2 = min(stage2, self.target.vocab_rows)
         if tree_size == "auto":
             tree_size = self.auto_tree_size(method, top_m, top_k, stage2).budget
-        params = TreeParams(int(tree_size), int(top_m), int(top_k), stage2).check(self.target.vocab_rows)
+        params = TreeParams(int(tree_size), int(top_m), int(top_k), stage2, bool(draft_vocab)).check(self.target.vocab_rows)
         proposer = make_proposer(method, self.drafter, self.target.embed, self.target.lm_head, params)
         ids = self.target.encode(prompt, chat=chat)
         if len(ids) >= self.target.max_length:
@@ -93,13 +93,16 @@ class Engine:
     def tokens(self, prompt, method: str = "treeflash", max_new_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, sampling_top_k: int = 0, tree_size: int = 16, top_m: int = 8,
                top_k: int = 8, seed: int | None = None, chat: bool = True, stats: Stats | None = None,
-               stop_ids: set[int] | None = None, stage2_vocab: int | None = None) -> Iterator[int]:
+               stop_ids: set[int] | None = None, stage2_vocab: int | None = None,
+               draft_vocab: bool = True) -> Iterator[int]:
         """Yield new token ids (prompt: text, chat messages, or token ids).
 
         stage2_vocab: TreeFlash stage-2 columns per position (0 = full vocabulary; None = the
-        engine's default, `Engine.stage2_vocab`)."""
+        engine's default, `Engine.stage2_vocab`). draft_vocab: propose only from the drafter's
+        draft vocabulary, when it ships one (False: the whole vocabulary)."""
         ids, sampling, proposer = self._prepare(prompt, method, max_new_tokens, temperature, top_p,
-                                                sampling_top_k, tree_size, top_m, top_k, stage2_vocab, chat)
+                                                sampling_top_k, tree_size, top_m, top_k, stage2_vocab, chat,
+                                                draft_vocab)
         if self.drafter is not None and self.target.tap_ids != self.drafter.config.target_layer_ids:
             self.target.set_taps(self.drafter.config.target_layer_ids)  # a shared target, re-tapped
         with torch.no_grad():

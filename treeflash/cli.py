@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES = [
     "treeflash.bench.cli",
     "treeflash.serve.cli",
     "treeflash.models.export",
+    "treeflash.bench.profile",
 ]
 
 
@@ -49,6 +50,8 @@ def add_engine_args(p: argparse.ArgumentParser, method_default: str = "treeflash
     p.add_argument("--top-k", type=int, default=8, help="TreeFlash stage-2 children per candidate")
     p.add_argument("--stage2-vocab", type=int, default=None,
                    help="TreeFlash stage 2 scores each position's top-N marginal tokens (0 = all)")
+    p.add_argument("--draft-vocab", action=argparse.BooleanOptionalAction, default=True,
+                   help="propose only from the drafter's draft vocabulary when it ships one (default on)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bf16 where the CPU/GPU computes it natively (fast), else fp32 (exact tests use fp32)")
     p.add_argument("--backend", default="auto", choices=["auto", "hf", "static", "compiled"],

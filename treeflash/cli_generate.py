@@ -23,7 +23,7 @@ def engine_kwargs(args) -> dict:
     return dict(method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 top_p=args.top_p, sampling_top_k=args.sampling_top_k, tree_size=args.tree_size,
                 top_m=args.top_m, top_k=args.top_k, seed=args.seed,
-                stage2_vocab=getattr(args, "stage2_vocab", None))
+                stage2_vocab=getattr(args, "stage2_vocab", None), draft_vocab=getattr(args, "draft_vocab", True))
 
 
 def resolve_tree_size(engine, args) -> None:

@@ -36,8 +36,9 @@ def time_forward(target, n: int, context: int, repeats: int = 5) -> float:
     `context` cached tokens."""
     dev = target.device
     cache = target.new_cache(context + 64)
-    target.forward(torch.arange(context, device=dev) % 1000 + 10, torch.arange(context, device=dev), cache)
-    ids = torch.arange(n, device=dev) + 7
+    V = target.vocab_rows
+    target.forward(torch.arange(context, device=dev) % V, torch.arange(context, device=dev), cache)
+    ids = (torch.arange(n, device=dev) + 7) % V
     pos = context + torch.arange(n, device=dev)
     mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
     times = []

@@ -24,6 +24,9 @@ class TreeParams:
     # TreeFlash stage 2 scores only the position's top-`stage2_vocab` marginal tokens (0 = the whole
     # vocabulary): the LM head over (B-1) x m rows is otherwise the dearest part of a step.
     stage2_vocab: int = 0
+    # Propose only from the drafter's draft vocabulary when it has one (its LM head then runs over
+    # those rows; measured: see docs/performance.md). False: the whole vocabulary.
+    draft_vocab: bool = True
 
     def check(self, vocab: int) -> "TreeParams":
         if self.budget < 1:
@@ -72,8 +75,15 @@ class Proposer:
         return self.drafter.draft(cache, self.embed(ids), start)
 
     def marginal_logp(self, h: torch.Tensor) -> torch.Tensor:
-        """h [D+1, H] -> log-probs [D, V] for depths 1..D."""
-        return self.lm_head(self.drafter.model.norm(h[1:])).float().log_softmax(-1)
+        """h [D+1, H] -> log-probs [D, V] for depths 1..D (-inf outside the draft vocabulary)."""
+        x = self.drafter.model.norm(h[1:])  # [D, H]
+        rows = self.drafter.draft_head(self.lm_head) if self.params.draft_vocab else None  # [Vd, H]
+        if rows is None:
+            return self.lm_head(x).float().log_softmax(-1)
+        sub = (x @ rows.T).float().log_softmax(-1)  # [D, Vd]
+        full = sub.new_full((x.shape[0], self.lm_head.weight.shape[0]), float("-inf"))  # [D, V]
+        full[:, self.drafter.draft_vocab.to(sub.device)] = sub
+        return full
 
     def heads(self, h: torch.Tensor, root_token: int):
         return self.marginal_logp(h).cpu()

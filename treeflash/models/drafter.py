@@ -34,6 +34,7 @@ from ..errors import TreeflashError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+DRAFT_VOCAB_NAME = "draft_vocab.safetensors"  # optional: {"token_ids": [Vd] int64}, the drafter's LM-head rows
 INDEX_NAME = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {tensor: file}}
 FORMATS = ("dflash", "treeflash")
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "treeflash": "TreeFlashDraftModel"}
@@ -372,10 +373,24 @@ class Drafter(nn.Module):
         self.config = config
         self.model = DFlashBody(config)
         self.ar_approximation = ARApproximation(config) if config.ar_approximation else None
+        # Draft vocabulary (EAGLE-3 style): the token ids [Vd] the drafter proposes from; its LM head
+        # runs over those rows only. None = the whole vocabulary. Verification never uses it.
+        self.draft_vocab: torch.Tensor | None = None
+        self._head_rows: tuple | None = None
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    def draft_head(self, lm_head: nn.Module) -> torch.Tensor | None:
+        """lm_head.weight[draft_vocab] [Vd, H] (cached), or None without a draft vocabulary."""
+        if self.draft_vocab is None:
+            return None
+        w = lm_head.weight
+        key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr())
+        if self._head_rows is None or self._head_rows[0] != key:
+            self._head_rows = (key, w[self.draft_vocab.to(w.device)].contiguous())
+        return self._head_rows[1]
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Drafter":
         g = torch.Generator().manual_seed(seed)
@@ -455,6 +470,10 @@ class Drafter(nn.Module):
         cfg = self.config.to_dict(fmt)
         cfg["dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")
         (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
+        if self.draft_vocab is not None:
+            save_file({"token_ids": self.draft_vocab.long().cpu().contiguous()}, str(out / DRAFT_VOCAB_NAME))
+        else:
+            (out / DRAFT_VOCAB_NAME).unlink(missing_ok=True)
         return out
 
 
@@ -549,7 +568,26 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> Drafte
         model = Drafter(cfg)
     _check_tensors(p, model, sd)
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True)
+    model.draft_vocab = read_draft_vocab(p, cfg.vocab_size)
     return model.eval()
+
+
+def read_draft_vocab(path: Path, vocab: int) -> torch.Tensor | None:
+    """The drafter directory's draft vocabulary [Vd] (sorted unique ids), or None if it has none."""
+    f = path / DRAFT_VOCAB_NAME
+    if not f.exists():
+        return None
+    from safetensors.torch import load_file
+
+    try:
+        ids = load_file(str(f)).get("token_ids")
+    except Exception as e:  # safetensors raises several types for a damaged file
+        raise TreeflashError(f"drafter {path}: unreadable {DRAFT_VOCAB_NAME} ({str(e).splitlines()[0]})") from None
+    if ids is None or ids.dim() != 1 or not len(ids) or ids.dtype != torch.int64:
+        raise TreeflashError(f"drafter {path}: {DRAFT_VOCAB_NAME} must hold 'token_ids', a non-empty int64 vector")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise TreeflashError(f"drafter {path}: {DRAFT_VOCAB_NAME} has ids outside the vocabulary (0..{vocab - 1})")
+    return ids.unique()
 
 
 def check_fits(cfg: DrafterConfig, tcfg, vocab_rows: int) -> None:

@@ -272,6 +272,7 @@ class Trainer:
         elif cfg.draft_vocab:
             draft_vocab = self.make_draft_vocab()
         self.draft_vocab = draft_vocab
+        self.drafter.draft_vocab = draft_vocab  # saved with every drafter checkpoint (draft_vocab.safetensors)
         emb, head = target.embed.weight, target.lm_head.weight
         lcfg = LossConfig(block_size=dc.block_size, max_anchors=cfg.max_anchors, kl_weight=cfg.kl_weight,
                           ar_weight=cfg.ar_weight if self.drafter.ar_approximation is not None else 0.0,
@@ -417,11 +418,25 @@ class Trainer:
         return last
 
 
+def run_draft_vocab(checkpoint_dir: Path) -> torch.Tensor | None:
+    """The draft vocabulary stored in the optimizer state of `<run>/last` (None if absent)."""
+    from safetensors import safe_open
+
+    for run in (checkpoint_dir, checkpoint_dir.parent):
+        f = run / "last" / "optimizer.safetensors"
+        if f.exists():
+            with safe_open(str(f), "pt") as st:
+                return st.get_tensor("__draft_vocab__").long() if "__draft_vocab__" in st.keys() else None
+    return None
+
+
 def export(checkpoint_dir: str | Path, out_dir: str | Path, target: Target | None = None) -> Path:
     """Copy a trained drafter (a run's best/ or last/ or any drafter dir) as bf16 safetensors."""
     p = Path(checkpoint_dir)
     src = p / "drafter" if (p / "drafter" / "config.json").exists() else p
     d = load_drafter(src)
+    if d.draft_vocab is None:  # runs from before drafters carried it: the run's training vocabulary
+        d.draft_vocab = run_draft_vocab(p)
     if target is not None:
         check_fits(d.config, target.config, target.vocab_rows)
     d.save(out_dir, dtype=torch.bfloat16)

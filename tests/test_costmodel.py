@@ -1,0 +1,59 @@
+"""--tree-size auto: the cost model, per-node acceptance statistics and the engine's choice."""
+import pytest
+import torch
+
+from treeflash.api import Engine
+from treeflash.decoding import costmodel
+from treeflash.decoding.generate import Stats
+
+from conftest import oracle, run, tiny_drafter, tiny_target, vanilla
+
+PROMPT = list(range(3, 30, 2))
+
+
+def test_interpolation_and_expected_tau():
+    costs = {1: 1.0, 4: 1.3, 16: 2.5}
+    assert costmodel.interpolate(costs, 1) == 1.0
+    assert costmodel.interpolate(costs, 10) == pytest.approx(1.3 + 1.2 * 6 / 12)
+    assert costmodel.interpolate(costs, 40) == 2.5
+    accept = [0.9, 0.5, 0.2, 0.05]
+    assert costmodel.expected_tau(accept, 1) == 1.0
+    assert costmodel.expected_tau(accept, 3) == pytest.approx(2.4)
+    assert costmodel.expected_tau(accept, 99) == pytest.approx(2.65)
+
+
+def test_best_budget_trades_acceptance_against_cost():
+    accept = [0.9, 0.6, 0.4, 0.1] + [0.01] * 60
+    flat = {1: 1.0, 64: 1.0}            # verification is free: take everything that helps
+    assert costmodel.best_budget(flat, accept, 0.0)[0] == 64
+    steep = {1: 1.0, 2: 1.95, 64: 64.0}  # every node costs nearly a forward: plain decoding wins
+    assert costmodel.best_budget(steep, accept, 0.1)[0] == 1
+    mid = {1: 1.0, 4: 1.2, 8: 2.0, 64: 10.0}
+    b, rate = costmodel.best_budget(mid, accept, 0.05)
+    assert b == 4 and rate == pytest.approx(2.9 / 1.25)  # b=3: 2.5/1.183, b=5: 3.0/1.45
+
+
+def test_node_hits_follow_the_accepted_paths():
+    target = tiny_target("llama", logit_scale=3.0)
+    drafter = tiny_drafter(target)
+    ref = vanilla(target, PROMPT, 30)
+    stats = Stats()
+    run(target, oracle("marginal", target, drafter, PROMPT + ref, 12), PROMPT, 30, stats=stats)
+    # every accepted draft token is one hit of one node
+    assert sum(stats.node_hits) == sum(stats.acceptance_lengths) - stats.steps > 0
+    assert all(0 <= a <= 1 for a in stats.node_acceptance())
+
+
+def test_engine_auto_tree_size_measures_caches_and_resolves(tmp_path, monkeypatch):
+    monkeypatch.setattr(costmodel, "CACHE_FILE", tmp_path / "costs.json")
+    target = tiny_target("qwen2").set_backend("static")
+    target.tokenizer.chat_template = None
+    engine = Engine(target, tiny_drafter(target))
+    monkeypatch.setattr(type(target), "encode", lambda self, prompt, chat=True: PROMPT)
+    choice = engine.auto_tree_size("treeflash", 3, 3, max_budget=12, tokens=8)
+    assert 1 <= choice.budget <= 12 and choice.verify_costs[1] > 0
+    assert (tmp_path / "costs.json").exists()
+    assert engine.auto_tree_size("treeflash", 3, 3, max_budget=12, tokens=8) is choice  # memoised
+    out = list(engine.tokens(PROMPT, method="treeflash", max_new_tokens=6, tree_size="auto", top_m=3, top_k=3,
+                             stop_ids=set()))
+    assert out == vanilla(target, PROMPT, 6)

@@ -1,0 +1,159 @@
+"""`treeflash profile`: where the time of a speculative step goes.
+
+Wall-clock timers wrap the parts of a step (no sampling profiler needed, no change to the decode
+loop): target forward (verify), KV compaction, drafter layers, drafter heads (LM head over the
+marginals, TreeFlash stage 2), tree building, acceptance, drafter context update. "other" is the
+step time not inside any of them (Python glue in the loop, mask construction, stats). Prefill is
+excluded. Methods run interleaved, prompt by prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections import defaultdict
+
+PARTS = ("target forward", "KV compaction", "drafter layers", "drafter heads", "tree build", "acceptance",
+         "drafter context")
+
+
+class Timers:
+    def __init__(self):
+        self.s = defaultdict(float)
+
+    def wrap(self, obj, attr: str, part: str, patches: list):
+        fn = getattr(obj, attr, None)
+        if fn is None:
+            return
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.s[part] += time.perf_counter() - t0
+        patches.append((obj, attr, obj.__dict__.get(attr, None)))
+        setattr(obj, attr, timed)
+
+
+@contextlib.contextmanager
+def instrumented(engine, proposer, timers: Timers):
+    """Patch the step's parts on these objects (instances, and the decode loop's `accept`)."""
+    from ..decoding import generate
+
+    patches: list = []
+    t, d = engine.target, engine.drafter
+    timers.wrap(t, "forward", "target forward", patches)
+    timers.wrap(t, "compact", "KV compaction", patches)
+    if d is not None:
+        timers.wrap(d, "draft", "drafter layers", patches)
+        timers.wrap(d, "extend", "drafter context", patches)
+    timers.wrap(proposer, "heads", "drafter heads", patches)
+    timers.wrap(proposer, "build", "tree build", patches)
+    timers.wrap(generate, "accept", "acceptance", patches)
+    try:
+        yield
+    finally:
+        for obj, attr, old in reversed(patches):
+            if old is None:
+                delattr(obj, attr)  # instance attribute over the class's method
+            else:
+                setattr(obj, attr, old)
+
+
+def profile(engine, prompts: list[str], methods: list[str], tree_size: int, max_new_tokens: int,
+            top_m: int = 8, top_k: int = 8) -> dict:
+    """{method: {"steps", "tokens", "step_ms", "tau", "parts_ms": {part: ms per step}}}.
+
+    A method "NAME:full" runs NAME without the drafter's draft vocabulary (whole-vocabulary head)."""
+    from ..decoding.generate import Stats, decode
+    from ..decoding.sampling import SamplingParams
+
+    out = {m: {"steps": 0, "tokens": 0, "time_s": 0.0, "parts": defaultdict(float)} for m in methods}
+    for prompt in prompts:
+        for method in methods:
+            name, _, opt = method.partition(":")
+            ids, sampling, proposer = engine._prepare(prompt, name, max_new_tokens, 0.0, 1.0, 0, tree_size,
+                                                      top_m, top_k, None, True, draft_vocab=opt != "full")
+            timers, stats = Timers(), Stats()
+            with instrumented(engine, proposer, timers):
+                for _ in decode(engine.target, proposer, ids, max_new_tokens, sampling, None, stats):
+                    pass
+            timers.s["target forward"] -= stats.prefill_s  # the prefill forward is not part of a step
+            r = out[method]
+            r["steps"] += stats.steps
+            r["tokens"] += stats.new_tokens - 1  # the prefill's token
+            r["time_s"] += stats.total_s - stats.prefill_s
+            for k, v in timers.s.items():
+                r["parts"][k] += v
+    report = {}
+    for m, r in out.items():
+        n = max(1, r["steps"])
+        parts = {p: 1e3 * r["parts"].get(p, 0.0) / n for p in PARTS}
+        step_ms = 1e3 * r["time_s"] / n
+        parts["other"] = step_ms - sum(parts.values())
+        report[m] = {"steps": r["steps"], "tokens": r["tokens"], "tau": r["tokens"] / n, "step_ms": step_ms,
+                     "tokens_per_s": r["tokens"] / max(r["time_s"], 1e-9), "parts_ms": parts}
+    return report
+
+
+def markdown(report: dict) -> str:
+    methods = list(report)
+    lines = ["| part (ms per step) | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    for p in (*PARTS, "other"):
+        cells = [f"{report[m]['parts_ms'][p]:.2f} ({100 * report[m]['parts_ms'][p] / report[m]['step_ms']:.0f}%)"
+                 for m in methods]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    for key, fmt in (("step_ms", "{:.2f}"), ("tau", "{:.2f}"), ("tokens_per_s", "{:.1f}")):
+        lines.append(f"| **{key.replace('_', ' ')}** | " + " | ".join(fmt.format(report[m][key]) for m in methods) + " |")
+    return "\n".join(lines)
+
+
+def register(sub) -> None:
+    from ..cli import add_engine_args
+
+    p = sub.add_parser("profile", help="time the parts of a speculative step (target, drafter, tree, cache)",
+                       description=__doc__.splitlines()[0])
+    add_engine_args(p)
+    p.add_argument("--methods", default="vanilla,chain,marginal,treeflash",
+                   help="comma list; NAME:full = NAME with the whole-vocabulary drafter head")
+    p.add_argument("--dataset", default="humaneval", help="prompts from this bench dataset")
+    p.add_argument("--num-prompts", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+
+    from .. import api
+    from ..errors import TreeflashError
+    from .datasets import sample_prompts
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise TreeflashError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        raise TreeflashError("--num-prompts and --max-new-tokens must be >= 1")
+    methods = [m for m in args.methods.split(",") if m]
+    engine = api.load(args.target, args.drafter, dtype=args.dtype, backend=args.backend)
+    if args.tree_size == "auto":
+        from ..cli_generate import resolve_tree_size
+
+        resolve_tree_size(engine, args)
+    prompts = [s.turns[0] for s in sample_prompts(args.dataset, args.num_prompts, seed=0)]
+    profile(engine, prompts[:1], methods, args.tree_size, 8, args.top_m, args.top_k)  # warm-up (and compile)
+    report = profile(engine, prompts, methods, args.tree_size, args.max_new_tokens, args.top_m, args.top_k)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(f"{engine.target.name}, {engine.target.dtype}, backend {engine.target.backend}, tree size "
+              f"{args.tree_size}, {len(prompts)} {args.dataset} prompts x {args.max_new_tokens} tokens, "
+              f"{torch.get_num_threads()} threads", file=sys.stderr)
+        print(markdown(report))
+    return 0
