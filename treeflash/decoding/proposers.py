@@ -74,15 +74,22 @@ class Proposer:
         ids[0] = root_token
         return self.drafter.draft(cache, self.embed(ids), start)
 
-    def marginal_logp(self, h: torch.Tensor) -> torch.Tensor:
-        """h [D+1, H] -> log-probs [D, V] for depths 1..D (-inf outside the draft vocabulary)."""
+    def marginal_sub(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [D+1, H] -> (log-probs [D, Vd] over the draft vocabulary, its ids [Vd]) for depths
+        1..D; without a draft vocabulary: ([D, V], None)."""
         x = self.drafter.model.norm(h[1:])  # [D, H]
         rows = self.drafter.draft_head(self.lm_head) if self.params.draft_vocab else None  # [Vd, H]
         if rows is None:
-            return self.lm_head(x).float().log_softmax(-1)
-        sub = (x @ rows.T).float().log_softmax(-1)  # [D, Vd]
-        full = sub.new_full((x.shape[0], self.lm_head.weight.shape[0]), float("-inf"))  # [D, V]
-        full[:, self.drafter.draft_vocab.to(sub.device)] = sub
+            return self.lm_head(x).float().log_softmax(-1), None
+        return (x @ rows.T).float().log_softmax(-1), self.drafter.draft_vocab.to(x.device)
+
+    def marginal_logp(self, h: torch.Tensor) -> torch.Tensor:
+        """h [D+1, H] -> log-probs [D, V] for depths 1..D (-inf outside the draft vocabulary)."""
+        sub, ids = self.marginal_sub(h)
+        if ids is None:
+            return sub
+        full = sub.new_full((sub.shape[0], self.lm_head.weight.shape[0]), float("-inf"))  # [D, V]
+        full[:, ids] = sub
         return full
 
     def heads(self, h: torch.Tensor, root_token: int):
@@ -117,9 +124,15 @@ class TreeFlash(Proposer):
         """Stage 1: top-m marginal candidates; stage 2: corrected top-k per candidate previous token."""
         D = h.shape[0] - 1
         m, k = self.params.top_m, self.params.top_k
-        marginal = self.marginal_logp(h)  # [D, V]
-        cand = marginal.topk(m, -1).indices  # [D, m]
-        cols = marginal.topk(self.params.stage2_vocab, -1).indices if self.params.stage2_vocab else None
+        marginal, ids = self.marginal_sub(h)  # [D, Vd], [Vd] (or [D, V], None)
+        if marginal.shape[1] < m:
+            raise TreeflashError(f"top-m {m} exceeds the drafter's draft vocabulary ({marginal.shape[1]} tokens)")
+        n_cols = min(max(self.params.stage2_vocab, m), marginal.shape[1]) if self.params.stage2_vocab else 0
+        top = marginal.topk(max(m, n_cols), -1).indices  # [D, max(m, C)], best first
+        if ids is not None:
+            top = ids[top]  # draft-vocabulary column -> token id
+        cand = top[:, :m]  # [D, m]
+        cols = top[:, :n_cols] if n_cols else None  # [D, C]
         logp = self.corrected_logp(h, root_token, cand, cols)  # [1 + (D-1)*m, C]
         vals, idx = logp.topk(k, -1)  # [1 + (D-1)*m, k]
         if cols is not None:  # column -> token id
