@@ -111,6 +111,38 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def verify_costs(engine, backends: list[str], sizes=(1, 2, 4, 8, 16, 32), rounds: int = 2) -> list[dict]:
+    """Rows {backend, round, costs_ms {N: ms}} of N-node forwards, backends interleaved per round."""
+    from ..decoding import costmodel
+
+    rows = []
+    for r in range(rounds):
+        for b in backends:
+            engine.target.set_backend(b)
+            c = costmodel.measure(engine.target, sizes=sizes, context=300, repeats=7, use_cache=False)
+            rows.append({"backend": b, "round": r, "costs_ms": {n: round(v * 1e3, 2) for n, v in c.items()}})
+    return rows
+
+
+def print_verify_costs(engine, backends: list[str], as_json: bool) -> int:
+    import torch
+
+    rows = verify_costs(engine, backends)
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    sizes = list(rows[0]["costs_ms"])
+    print(f"{engine.target.name}, {engine.target.dtype}, {torch.get_num_threads()} threads, ms per forward "
+          "after 300 context tokens", file=sys.stderr)
+    print("| backend (round) | " + " | ".join(f"N={n}" for n in sizes) + " | 16/1 |")
+    print("|---|" + "---|" * (len(sizes) + 1))
+    for r in rows:
+        c = r["costs_ms"]
+        ratio = f"{c[16] / c[1]:.2f}" if 16 in c else "–"
+        print(f"| {r['backend']} ({r['round']}) | " + " | ".join(f"{c[n]:.1f}" for n in sizes) + f" | {ratio} |")
+    return 0
+
+
 def register(sub) -> None:
     from ..cli import add_engine_args
 
@@ -123,6 +155,9 @@ def register(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--verify-costs", metavar="BACKENDS", default=None,
+                   help="instead: time N-node target forwards (N = 1..32, 300-token context) on each of these "
+                        "backends (comma list of hf,static,compiled), twice, interleaved")
     p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
     p.set_defaults(func=run)
 
@@ -142,6 +177,8 @@ def run(args) -> int:
         raise TreeflashError("--num-prompts and --max-new-tokens must be >= 1")
     methods = [m for m in args.methods.split(",") if m]
     engine = api.load(args.target, args.drafter, dtype=args.dtype, backend=args.backend)
+    if args.verify_costs:
+        return print_verify_costs(engine, args.verify_costs.split(","), args.json)
     if args.tree_size == "auto":
         from ..cli_generate import resolve_tree_size
 
