@@ -1,0 +1,32 @@
+"""treeflash profile: the step breakdown adds up and the instrumentation leaves no trace."""
+from treeflash.api import Engine
+from treeflash.bench.profile import PARTS, markdown, profile, verify_costs
+
+from conftest import tiny_drafter, tiny_target
+
+
+def test_profile_parts_add_up_and_patches_are_removed():
+    target = tiny_target("llama").set_backend("static")
+    engine = Engine(target, tiny_drafter(target))
+    prompts = [list(range(3, 30, 2)), list(range(5, 20))]
+    report = profile(engine, prompts, ["vanilla", "treeflash", "marginal:full"], 8, 12, 3, 3)
+    for m, r in report.items():
+        assert r["steps"] > 0 and r["tokens"] == 2 * 11  # 12 tokens per prompt, minus the prefill's
+        assert abs(sum(r["parts_ms"].values()) - r["step_ms"]) < 1e-6
+        assert r["parts_ms"]["target forward"] > 0
+    assert report["vanilla"]["parts_ms"]["drafter layers"] == 0 and report["treeflash"]["parts_ms"]["drafter layers"] > 0
+    assert report["vanilla"]["tau"] == 1.0
+    assert "forward" not in vars(target) and "draft" not in vars(engine.drafter)  # class methods again
+    table = markdown(report)
+    assert all(p in table for p in PARTS) and "marginal:full" in table
+
+
+def test_verify_costs_cover_every_backend_and_size(tmp_path, monkeypatch):
+    from treeflash.decoding import costmodel
+
+    monkeypatch.setattr(costmodel, "CACHE_FILE", tmp_path / "costs.json")
+    target = tiny_target("qwen2")
+    engine = Engine(target, None)
+    rows = verify_costs(engine, ["hf", "static"], sizes=(1, 4), rounds=1)
+    assert [r["backend"] for r in rows] == ["hf", "static"]
+    assert all(set(r["costs_ms"]) == {1, 4} and min(r["costs_ms"].values()) > 0 for r in rows)
