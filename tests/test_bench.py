@@ -163,3 +163,25 @@ def test_hf_assisted_with_itself_accepts_drafts(tmp_path, tiny_target):
     assert assisted["num_step_tokens"] == assisted["num_tokens"]  # HF: every forward is a verify step
     assert rows["vanilla"]["num_step_tokens"] == rows["vanilla"]["num_tokens"] - 1  # ours: prefill token apart
     assert assisted["per_position_acceptance"][0] > 0.5
+
+
+def test_bench_tree_size_auto_resolves_per_method(tmp_path, tiny_target, monkeypatch):
+    from treeflash.decoding import costmodel
+
+    monkeypatch.setattr(costmodel, "CACHE_FILE", tmp_path / "costs.json")
+    out = _bench(tmp_path, tiny_target, "--tree-size", "auto,4")
+    res = json.loads((out / "results.json").read_text())
+    notes = [n for n in res["notes"] if "tree size auto ->" in n]
+    assert len(notes) == 2 and {n.split(" for ")[1].split(" ")[0] for n in notes} == {"chain", "treeflash"}
+    sizes = {r["tree_size"] for r in res["rows"] if r["method"] == "treeflash"}
+    assert 4 in sizes and all(isinstance(s, int) and 1 <= s <= 64 for s in sizes)
+
+
+def test_speedups_include_llama_cpp_when_it_ran():
+    from treeflash.bench.report import add_speedups
+
+    rows = [{"dataset": "d", "method": m, "tokens_per_second": t}
+            for m, t in (("vanilla", 10.0), ("hf-generate", 8.0), ("llama-cpp", 40.0), ("treeflash", 20.0))]
+    add_speedups(rows)
+    tf = rows[-1]
+    assert (tf["speedup_vs_vanilla"], tf["speedup_vs_hf_generate"], tf["speedup_vs_llama_cpp"]) == (2.0, 2.5, 0.5)

@@ -59,7 +59,7 @@ def summarize(key: tuple, recs: list, vanilla: dict, passes: dict) -> dict:
         "total_s": total_s,
         "tokens_per_second": tokens / total_s if total_s > 0 else 0.0,
         "time_split_s": split if method in ("vanilla", "chain", "marginal", "treeflash") else None,
-        "speedup_vs_vanilla": None, "speedup_vs_hf_generate": None,
+        "speedup_vs_vanilla": None, "speedup_vs_hf_generate": None, "speedup_vs_llama_cpp": None,
         "identical_to_vanilla": sum(ident) / len(ident) if ident else None,
     }
     if dataset == "humaneval" and passes:
@@ -71,9 +71,10 @@ def summarize(key: tuple, recs: list, vanilla: dict, passes: dict) -> dict:
 
 def add_speedups(rows: list[dict]) -> None:
     base = {(r["dataset"], r["method"]): r["tokens_per_second"] for r in rows
-            if r["method"] in ("vanilla", "hf-generate")}
+            if r["method"] in ("vanilla", "hf-generate", "llama-cpp")}
     for r in rows:
-        for ref, field in (("vanilla", "speedup_vs_vanilla"), ("hf-generate", "speedup_vs_hf_generate")):
+        for ref, field in (("vanilla", "speedup_vs_vanilla"), ("hf-generate", "speedup_vs_hf_generate"),
+                           ("llama-cpp", "speedup_vs_llama_cpp")):
             b = base.get((r["dataset"], ref))
             r[field] = r["tokens_per_second"] / b if b else None
 
@@ -160,14 +161,18 @@ def markdown(results: dict) -> str:
               f"threads), transformers {ver['transformers']}; load average {mach['loadavg_start'][0]} -> "
               f"{mach['loadavg_end'][0]}.", ""]
     has_he = any("humaneval_pass_at_1" in r for r in rows)
-    head = ["dataset", "method", "tau", "tok/s", "speedup vs vanilla", "vs hf-generate", "identical",
-            "prefill/draft/tree/verify %"] + (["HumanEval pass@1"] if has_he else [])
+    has_llama = any(r["speedup_vs_llama_cpp"] for r in rows)
+    head = (["dataset", "method", "tau", "tok/s", "speedup vs vanilla", "vs hf-generate"]
+            + (["vs llama-cpp"] if has_llama else []) + ["identical", "prefill/draft/tree/verify %"]
+            + (["HumanEval pass@1"] if has_he else []))
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["dataset"], _label(r), _fmt(r["mean_acceptance_length"]), _fmt(r["tokens_per_second"], ".1f"),
                  _fmt(r["speedup_vs_vanilla"], ".2f") + ("x" if r["speedup_vs_vanilla"] else ""),
-                 _fmt(r["speedup_vs_hf_generate"], ".2f") + ("x" if r["speedup_vs_hf_generate"] else ""),
-                 _fmt(r["identical_to_vanilla"], ".0%"), split_cell(r)]
+                 _fmt(r["speedup_vs_hf_generate"], ".2f") + ("x" if r["speedup_vs_hf_generate"] else "")]
+        if has_llama:
+            cells.append(_fmt(r["speedup_vs_llama_cpp"], ".2f") + ("x" if r["speedup_vs_llama_cpp"] else ""))
+        cells += [_fmt(r["identical_to_vanilla"], ".0%"), split_cell(r)]
         if has_he:
             cells.append(_fmt(r.get("humaneval_pass_at_1"), ".3f"))
         lines.append("| " + " | ".join(cells) + " |")
