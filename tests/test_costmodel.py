@@ -57,3 +57,11 @@ def test_engine_auto_tree_size_measures_caches_and_resolves(tmp_path, monkeypatc
     out = list(engine.tokens(PROMPT, method="treeflash", max_new_tokens=6, tree_size="auto", top_m=3, top_k=3,
                              stop_ids=set()))
     assert out == vanilla(target, PROMPT, 6)
+
+
+def test_bad_tree_size_is_a_clear_cli_error(capsys):
+    from treeflash.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hi", "--tree-size", "big"])
+    assert e.value.code == 2 and "expected a number or 'auto'" in capsys.readouterr().err
