@@ -56,6 +56,12 @@ def test_compacted_cache_equals_fresh_forward(arch, backend):
         torch.testing.assert_close(va, vb, atol=1e-5, rtol=1e-5)
     # the tree forward saw exactly the causal context of each path node
     ref_logits, ref_feats = hf_reference(target, seq)
+    target.compact(cache, start, torch.arange(0))
+    lazy, _ = target.forward(tree.tokens, start + tree.depths, cache, tree_mask=tree.ancestor_mask(), lazy=True)
+    assert len(lazy) == len(tree) and not lazy.rows
+    for i in keep.tolist():
+        torch.testing.assert_close(lazy[i], logits[i], atol=1e-5, rtol=1e-5)
+    assert sorted(lazy.rows) == sorted(keep.tolist())  # only the rows read were computed
     torch.testing.assert_close(logits[keep], ref_logits[start:], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(feats[keep], ref_feats[start:], atol=1e-4, rtol=1e-4)
 

@@ -1,8 +1,9 @@
 """`treeflash profile`: where the time of a speculative step goes.
 
 Wall-clock timers wrap the parts of a step (no sampling profiler needed, no change to the decode
-loop): target forward (verify), KV compaction, drafter layers, drafter heads (LM head over the
-marginals, TreeFlash stage 2), tree building, acceptance, drafter context update. "other" is the
+loop): target forward (verify, without its LM head), KV compaction, drafter layers, drafter heads
+(LM head over the marginals, TreeFlash stage 2), tree building, the target's LM head over the
+visited nodes + acceptance (the walk computes those rows lazily), drafter context update. "other" is the
 step time not inside any of them (Python glue in the loop, mask construction, stats). Prefill is
 excluded. Methods run interleaved, prompt by prompt.
 """
@@ -15,7 +16,7 @@ import sys
 import time
 from collections import defaultdict
 
-PARTS = ("target forward", "KV compaction", "drafter layers", "drafter heads", "tree build", "acceptance",
+PARTS = ("target forward", "KV compaction", "drafter layers", "drafter heads", "tree build", "LM head + acceptance",
          "drafter context")
 
 
@@ -52,7 +53,7 @@ def instrumented(engine, proposer, timers: Timers):
         timers.wrap(d, "extend", "drafter context", patches)
     timers.wrap(proposer, "heads", "drafter heads", patches)
     timers.wrap(proposer, "build", "tree build", patches)
-    timers.wrap(generate, "accept", "acceptance", patches)
+    timers.wrap(generate, "accept", "LM head + acceptance", patches)
     try:
         yield
     finally:

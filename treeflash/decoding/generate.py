@@ -127,7 +127,7 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
         tree = proposer.propose(dcache, root, start, max_depth)
         t0 = time.perf_counter()
         logits, feats = target.forward(tree.tokens.to(dev), (start + tree.depths).to(dev), cache,
-                                       tree_mask=tree.ancestor_mask().to(dev))
+                                       tree_mask=tree.ancestor_mask().to(dev), lazy=True)
         acc = accept(tree, logits, sampling, gen)
         keep = torch.tensor(acc.path, device=dev)
         target.compact(cache, start, keep)

@@ -29,7 +29,8 @@ class Acceptance:
 
 def accept(tree: Tree, logits: torch.Tensor, params: SamplingParams,
            gen: torch.Generator | None = None) -> Acceptance:
-    """tree with N nodes; logits [N, V] of the target at each node."""
+    """tree with N nodes; logits [N, V] of the target at each node (a tensor, or `LazyLogits`:
+    only the rows of the visited nodes are read)."""
     children = tree.children()
     toks = tree.tokens.tolist()
     path, node = [0], 0

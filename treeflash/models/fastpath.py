@@ -69,7 +69,6 @@ class FastPath:
                                  f"got {model.config.model_type}: use --backend hf")
         self.model = model
         self.decoder = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
         attn = self.decoder.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.n_kv = model.config.num_key_value_heads
@@ -119,10 +118,11 @@ class FastPath:
         return self.decoder.norm(x[0]), [taps[i] for i in tap_ids]
 
     def _step(self, ids, pos, slots, mask, k_cache, v_cache, tap_ids: tuple):
-        """The compiled unit: all rows' logits [N, V] and the taps [N, taps*H]."""
+        """The compiled unit: final states h [N, H] and the taps [N, taps*H] (the LM head runs
+        outside, over the rows the caller needs)."""
         h, taps = self._layers(self.decoder.embed_tokens(ids), pos, slots, mask, k_cache, v_cache, None, tap_ids)
         feats = torch.cat(taps, -1) if taps else h[:, :0]
-        return self.lm_head(h).float(), feats
+        return h, feats
 
     def _compiled_step(self, tap_ids: tuple):
         if tap_ids not in self._compiled:
@@ -133,10 +133,9 @@ class FastPath:
         return self._compiled[tap_ids]
 
     @torch.no_grad()
-    def forward(self, cache: StaticKV, ids, positions, start: int, tree_mask, tap_ids: list[int],
-                logits_rows=None):
+    def forward(self, cache: StaticKV, ids, positions, start: int, tree_mask, tap_ids: list[int]):
         """ids, positions [N] for slots start..start+N-1; tree_mask [N, N] bool among the new
-        tokens (None: causal). Returns logits [n, V] float32 and features [N, taps*H] (or None)."""
+        tokens (None: causal). Returns final-normed states h [N, H] and features [N, taps*H] (or None)."""
         n, taps = len(ids), tuple(tap_ids)
         end = start + n
         if end > cache.capacity:
@@ -144,22 +143,15 @@ class FastPath:
         dev = ids.device
         bucket = next((b for b in BUCKETS if b >= n), None)
         flat_prefill = tree_mask is None and n > 1
-        if self.compile and not flat_prefill and bucket is not None and start + bucket <= cache.capacity:
-            logits, feats = self._run_compiled(cache, ids, positions, start, tree_mask, taps, bucket)
-        else:
+        if not (self.compile and not flat_prefill and bucket is not None and start + bucket <= cache.capacity):
             mask = torch.ones(n, end, dtype=torch.bool, device=dev)  # [N, start+N]
             mask[:, start:] = causal(n, dev) if tree_mask is None else tree_mask
             slots = torch.arange(start, end, device=dev)
             h, tap_list = self._layers(self.decoder.embed_tokens(ids), positions, slots, mask, cache.k, cache.v,
                                        end, taps)
-            if logits_rows is not None:
-                h = h[logits_rows]
-            logits = self.lm_head(h).float()
-            feats = torch.cat(tap_list, -1) if tap_list else None
-            return logits, feats
-        if logits_rows is not None:
-            logits = logits[logits_rows]
-        return logits, (feats if taps else None)
+            return h, (torch.cat(tap_list, -1) if tap_list else None)
+        h, feats = self._run_compiled(cache, ids, positions, start, tree_mask, taps, bucket)
+        return h, (feats if taps else None)
 
     def _run_compiled(self, cache, ids, positions, start, tree_mask, taps, bucket):
         n, dev = len(ids), ids.device
@@ -173,5 +165,5 @@ class FastPath:
             ids = torch.cat([ids, ids.new_zeros(pad)])
             positions = torch.cat([positions, positions.new_full((pad,), int(positions[-1]))])
         slots = torch.arange(start, start + bucket, device=dev)
-        logits, feats = self._compiled_step(taps)(ids, positions, slots, mask, cache.k, cache.v, taps)
-        return logits[:n], feats[:n]
+        h, feats = self._compiled_step(taps)(ids, positions, slots, mask, cache.k, cache.v, taps)
+        return h[:n], feats[:n]

@@ -45,6 +45,25 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+class LazyLogits:
+    """A tree's target logits, row by row on demand. The acceptance walk reads only the nodes on
+    its path (tau of them), so the LM head (49k x 576 for SmolLM2: a fifth of the model, and at
+    16 rows slower per row than at 1) runs over those rows instead of the whole tree."""
+
+    def __init__(self, h: torch.Tensor, lm_head):
+        self.h, self.lm_head = h, lm_head  # h [N, H] final-normed states
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.h.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """logits [V] float32 of node i."""
+        if i not in self.rows:
+            self.rows[i] = self.lm_head(self.h[i:i + 1]).float()[0]
+        return self.rows[i]
+
+
 class Target:
     def __init__(self, model, tokenizer, name: str = "target"):
         self.model = model.eval()
@@ -118,18 +137,29 @@ class Target:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | StaticKV,
-                tree_mask: torch.Tensor | None = None, logits_rows: slice | torch.Tensor | None = None):
+                tree_mask: torch.Tensor | None = None, logits_rows: slice | torch.Tensor | None = None,
+                lazy: bool = False):
         """Append ids, positions [N] to the cache. tree_mask [N, N] bool (True = may attend) among
         the new tokens, or None for causal; every new token sees the whole cache before it.
 
-        Returns logits [n, V] (float32, for `logits_rows` or all N) and features [N, taps*H]
-        (None without taps). All tensors on self.device.
+        Returns logits [n, V] (float32, for `logits_rows` or all N; with `lazy`, a `LazyLogits`
+        that runs the LM head per row on first access) and features [N, taps*H] (None without
+        taps). All tensors on self.device.
         """
         start = self.cache_length(cache)
         if isinstance(cache, StaticKV):
-            out = self.fast.forward(cache, ids, positions, start, tree_mask, self.tap_ids, logits_rows)
+            h, feats = self.fast.forward(cache, ids, positions, start, tree_mask, self.tap_ids)
             cache.length = start + len(ids)
-            return out
+        else:
+            h, feats = self._hf_forward(ids, positions, cache, start, tree_mask)
+        if lazy:
+            return LazyLogits(h, self.lm_head), feats
+        if logits_rows is not None:
+            h = h[logits_rows]
+        return self.lm_head(h).float(), feats
+
+    def _hf_forward(self, ids, positions, cache: DynamicCache, start: int, tree_mask):
+        """The model's own decoder forward: final states h [N, H] and tap features (hooks)."""
         attn = None
         if tree_mask is not None:
             attn = torch.zeros(len(ids), start + len(ids), dtype=self.dtype, device=self.device)
@@ -138,12 +168,8 @@ class Target:
         self._taps.clear()
         out = self.decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=attn,
                            cache=cache, use_cache=True)
-        h = out.last_hidden_state[0]  # [N, H]
-        if logits_rows is not None:
-            h = h[logits_rows]
-        logits = self.lm_head(h).float()
         feats = torch.cat([self._taps[i][0] for i in self.tap_ids], -1) if self.tap_ids else None
-        return logits, feats
+        return out.last_hidden_state[0], feats
 
     @staticmethod
     def compact(cache: DynamicCache | StaticKV, start: int, keep: torch.Tensor) -> None:
