@@ -10,9 +10,11 @@ def _csv(value: str) -> list[str]:
 
 
 def _sizes(value: str) -> list[int | str]:
+    from ..cli import tree_size_arg
+
     try:
-        return [v if v == "auto" else int(v) for v in _csv(value)]
-    except ValueError:
+        return [tree_size_arg(v) for v in _csv(value)]
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected a number, 'auto' or a comma list of them, got {value!r}") from None
 
 
