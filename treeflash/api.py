@@ -116,7 +116,7 @@ class Engine:
         Memoised per engine and method."""
         from .decoding import costmodel
 
-        key = (method, top_m, top_k, stage2_vocab, self.target.backend, self.target.tap_ids and tuple(self.target.tap_ids))
+        key = (method, top_m, top_k, stage2_vocab, self.target.backend, torch.get_num_threads())
         if key in self.auto:
             return self.auto[key]
         if method == "vanilla" or self.drafter is None:
