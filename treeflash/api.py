@@ -82,7 +82,7 @@ class Engine:
         if tree_size == "auto":
             tree_size = self.auto_tree_size(method, top_m, top_k, stage2).budget
         params = TreeParams(int(tree_size), int(top_m), int(top_k), stage2, bool(draft_vocab)).check(self.target.vocab_rows)
-        proposer = make_proposer(method, self.drafter, self.target.embed, self.target.lm_head, params)
+        proposer = make_proposer(method, self.drafter, self.target.embed, self.target.drafting_head, params)
         ids = self.target.encode(prompt, chat=chat)
         if len(ids) >= self.target.max_length:
             raise TreeflashError(f"prompt has {len(ids)} tokens; the context window is {self.target.max_length}")
@@ -166,14 +166,14 @@ def default_device() -> str:
 
 
 @functools.lru_cache(maxsize=2)
-def _load_target(name: str, dtype, device: str = "cpu") -> Target:
+def _load_target(name: str, dtype, device: str = "cpu", quantize: str = "none") -> Target:
     """Targets are cached per process (engines share them; each engine re-sets the taps it needs)."""
-    return Target.load(name, dtype=dtype, device=device)
+    return Target.load(name, dtype=dtype, device=device).quantize(quantize)
 
 
 def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = None,
          dtype: str = "float32", seed: int = 0, quiet: bool = False, device: str | None = None,
-         backend: str = "auto") -> Engine:
+         backend: str = "auto", quantize: str = "none") -> Engine:
     """Load a target (built-in name, HF directory or .gguf) and a drafter.
 
     drafter: None -> the shipped drafter of the target (a random one, with a warning, if none is
@@ -181,9 +181,10 @@ def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = 
     "none" -> no drafter (vanilla decoding only). dtype "auto": bf16 where the hardware computes
     it natively, else fp32. device: "cuda" when a GPU is present, else "cpu". backend: the
     target's forward path (`Target.set_backend`): auto | hf | static | compiled; it belongs to the
-    (cached, shared) target, so the last engine loaded sets it.
+    (cached, shared) target, so the last engine loaded sets it. quantize: "none" | "int8"
+    (weight-only int8 target on CPU; this changes the target, see `models/quant.py`).
     """
-    tgt = _load_target(target, parse_dtype(dtype), device or default_device())
+    tgt = _load_target(target, parse_dtype(dtype), device or default_device(), quantize)
     if backend != tgt.backend:
         tgt.set_backend(backend)
     if isinstance(drafter, Drafter):

@@ -47,7 +47,7 @@ def run(args) -> int:
     from .decoding.generate import Stats
 
     check_prompt(args.prompt)
-    engine = api.load(args.target, args.drafter, dtype=args.dtype, seed=args.seed or 0, backend=args.backend,
+    engine = api.load(args.target, args.drafter, dtype=args.dtype, seed=args.seed or 0, backend=args.backend, quantize=args.quantize,
                       quiet=args.method == "vanilla")
     resolve_tree_size(engine, args)
     kw = engine_kwargs(args)

@@ -39,6 +39,7 @@ class BenchConfig:
     temperature: float = 0.0
     dtype: str = "bfloat16"
     backend: str = "auto"  # the target forward path (Target.set_backend)
+    quantize: str = "none"  # "int8": weight-only int8 target (a different target; see models/quant.py)
     target: str = "smollm2-135m"
     drafter: str | None = None
     assistant: str | None = None
@@ -151,7 +152,7 @@ def load_engine(cfg: BenchConfig):
     from .. import api
 
     drafter = cfg.drafter if cfg.needs_drafter else "none"
-    return api.load(cfg.target, drafter, dtype=cfg.dtype, seed=cfg.seed, backend=cfg.backend,
+    return api.load(cfg.target, drafter, dtype=cfg.dtype, seed=cfg.seed, backend=cfg.backend, quantize=cfg.quantize,
                     quiet=not cfg.needs_drafter)
 
 

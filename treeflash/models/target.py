@@ -73,6 +73,8 @@ class Target:
         self.decoder = model.get_decoder()
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
+        self.drafting_head = self.lm_head  # the drafter's LM head: stays unquantized (see `quantize`)
+        self.quantization = "none"
         if self.embed is None or self.lm_head is None or not hasattr(self.decoder, "layers"):
             raise TreeflashError(f"target {name} has no embed_tokens/lm_head/layers; not a supported causal LM")
         self.dtype = next(model.parameters()).dtype
@@ -84,6 +86,19 @@ class Target:
         self.tap_ids: list[int] = []
         self.fast: FastPath | None = None
         self.backend = "hf"
+
+    def quantize(self, mode: str) -> "Target":
+        """Weight-only int8 for the decoder's linear layers and the verify LM head (`quant.py`).
+        The drafter keeps reading the unquantized LM head (`drafting_head`)."""
+        from .quant import quantize_linears
+
+        if mode != self.quantization:
+            if self.quantization != "none":
+                raise TreeflashError("this target is already quantized; load it again")
+            quantize_linears(self.model, mode)
+            self.lm_head = self.model.get_output_embeddings()
+            self.quantization = mode
+        return self
 
     def set_backend(self, name: str) -> "Target":
         """auto (static where supported, else hf) | hf | static | compiled."""

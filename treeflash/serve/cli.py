@@ -35,7 +35,7 @@ def register(sub) -> None:
 def _load_engine(args):
     from .. import api
 
-    return api.load(args.target, args.drafter, dtype=args.dtype, seed=args.seed or 0, backend=args.backend,
+    return api.load(args.target, args.drafter, dtype=args.dtype, seed=args.seed or 0, backend=args.backend, quantize=args.quantize,
                     quiet=args.method == "vanilla")
 
 
