@@ -299,10 +299,10 @@ def test_queue_is_first_in_first_out(server):
     while httpx.get(server.url + "/health", timeout=10).json()["running"] == 0 and time.time() < deadline:
         time.sleep(0.02)
     later = []
-    for name in "BC":  # queued behind A, in this order
+    for name in "BC":  # queued behind A (64 tokens: ~0.4 s here), in this order
         later.append(threading.Thread(target=ask, args=(name, 2)))
         later[-1].start()
-        time.sleep(0.2)
+        time.sleep(0.05)
     all_queued = time.time()
     for t in [first, *later]:
         t.join(timeout=300)
