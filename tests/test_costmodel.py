@@ -31,6 +31,11 @@ def test_best_budget_trades_acceptance_against_cost():
     mid = {1: 1.0, 4: 1.2, 8: 2.0, 64: 10.0}
     b, rate = costmodel.best_budget(mid, accept, 0.05)
     assert b == 4 and rate == pytest.approx(2.9 / 1.25)  # b=3: 2.5/1.183, b=5: 3.0/1.45
+    # the LM head runs over tau rows: a dear head favours plain decoding less than a dear forward
+    with_head = {0: 0.5, **mid}
+    b, rate = costmodel.best_budget(with_head, accept, 0.05)
+    assert b == 4 and rate == pytest.approx(2.9 / (1.25 + 2.9 * 0.5))
+    assert costmodel.best_budget(with_head, [], 0.0) == (1, pytest.approx(1 / 1.5))
 
 
 def test_node_hits_follow_the_accepted_paths():
@@ -51,7 +56,7 @@ def test_engine_auto_tree_size_measures_caches_and_resolves(tmp_path, monkeypatc
     engine = Engine(target, tiny_drafter(target))
     monkeypatch.setattr(type(target), "encode", lambda self, prompt, chat=True: PROMPT)
     choice = engine.auto_tree_size("treeflash", 3, 3, max_budget=12, tokens=8)
-    assert 1 <= choice.budget <= 12 and choice.verify_costs[1] > 0
+    assert 1 <= choice.budget <= 12 and choice.verify_costs[1] > 0 and choice.verify_costs[0] > 0
     assert (tmp_path / "costs.json").exists()
     assert engine.auto_tree_size("treeflash", 3, 3, max_budget=12, tokens=8) is choice  # memoised
     out = list(engine.tokens(PROMPT, method="treeflash", max_new_tokens=6, tree_size="auto", top_m=3, top_k=3,

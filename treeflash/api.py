@@ -59,8 +59,8 @@ class AutoChoice:
 
     def summary(self) -> str:
         return (f"tree size auto -> {self.budget} for {self.method} (expected tau {self.expected_tau:.2f}, "
-                f"{self.expected_tokens_per_s:.1f} tok/s; verify {self.verify_costs.get(1, 0) * 1e3:.1f} ms "
-                f"for 1 node, draft {self.draft_s * 1e3:.1f} ms/step)")
+                f"{self.expected_tokens_per_s:.1f} tok/s; 1-node forward {self.verify_costs.get(1, 0) * 1e3:.1f} ms "
+                f"+ LM head {self.verify_costs.get(0, 0) * 1e3:.1f} ms/row, draft {self.draft_s * 1e3:.1f} ms/step)")
 
 
 class Engine:

@@ -113,7 +113,8 @@ def markdown(report: dict) -> str:
 
 
 def verify_costs(engine, backends: list[str], sizes=(1, 2, 4, 8, 16, 32), rounds: int = 2) -> list[dict]:
-    """Rows {backend, round, costs_ms {N: ms}} of N-node forwards, backends interleaved per round."""
+    """Rows {backend, round, costs_ms {N: ms}} of N-node forwards without the LM head (N = 0: the
+    LM head over one row), backends interleaved per round."""
     from ..decoding import costmodel
 
     rows = []
@@ -134,12 +135,12 @@ def print_verify_costs(engine, backends: list[str], as_json: bool) -> int:
         return 0
     sizes = list(rows[0]["costs_ms"])
     print(f"{engine.target.name}, {engine.target.dtype}, {torch.get_num_threads()} threads, ms per forward "
-          "after 300 context tokens", file=sys.stderr)
-    print("| backend (round) | " + " | ".join(f"N={n}" for n in sizes) + " | 16/1 |")
+          "after 300 context tokens (N=0: the LM head over one row; N>0: the forward without it)", file=sys.stderr)
+    print("| backend (round) | " + " | ".join(f"N={n}" for n in sizes) + " | (16+head)/(1+head) |")
     print("|---|" + "---|" * (len(sizes) + 1))
     for r in rows:
         c = r["costs_ms"]
-        ratio = f"{c[16] / c[1]:.2f}" if 16 in c else "–"
+        ratio = f"{(c[16] + c[0]) / (c[1] + c[0]):.2f}" if 16 in c else "–"
         print(f"| {r['backend']} ({r['round']}) | " + " | ".join(f"{c[n]:.1f}" for n in sizes) + f" | {ratio} |")
     return 0
 

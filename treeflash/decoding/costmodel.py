@@ -5,9 +5,11 @@ few runs, after a warm-up that also triggers compilation on the compiled backend
 result per machine, model, dtype, backend and thread count in ~/.cache/treeflash/costs.json.
 
 `best_budget` picks the budget b that maximises expected tokens per second,
-    E[tau(b)] / (t_draft + t_verify(b)),
-where E[tau(b)] = 1 + (expected accepted drafts with b-1 best-first nodes), taken from the
-drafter's measured per-position acceptance at the largest budget (see `expected_tau`).
+    E[tau(b)] / (t_draft + t_verify(b) + E[tau(b)] * t_head),
+where t_verify(b) is the forward without the LM head, t_head the LM head over one row (the
+acceptance walk computes the rows of the nodes it visits: tau of them), and E[tau(b)] = 1 +
+(expected accepted drafts with b-1 best-first nodes), taken from the drafter's measured per-node
+acceptance at the largest budget (see `expected_tau`). The cost table stores t_head under key 0.
 """
 from __future__ import annotations
 
@@ -32,29 +34,42 @@ def machine_key(target, context: int) -> str:
 
 @torch.no_grad()
 def time_forward(target, n: int, context: int, repeats: int = 5) -> float:
-    """Median seconds of one n-node tree forward (a chain: the mask shape is what matters) after
-    `context` cached tokens."""
+    """Median seconds of one n-node tree forward without the LM head, plus the KV compaction (a
+    chain: the mask shape is what matters) after `context` cached tokens; n = 0: the LM head over
+    one row. The first run warms up (and compiles)."""
     dev = target.device
-    cache = target.new_cache(context + 64)
-    V = target.vocab_rows
-    target.forward(torch.arange(context, device=dev) % V, torch.arange(context, device=dev), cache)
-    ids = (torch.arange(n, device=dev) + 7) % V
-    pos = context + torch.arange(n, device=dev)
-    mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
+    if n == 0:
+        h = torch.zeros(1, target.config.hidden_size, dtype=target.dtype, device=dev)
+
+        def step():
+            target.lm_head(h).float()
+    else:
+        cache = target.new_cache(context + 64)
+        V = target.vocab_rows
+        target.forward(torch.arange(context, device=dev) % V, torch.arange(context, device=dev), cache)
+        ids = (torch.arange(n, device=dev) + 7) % V
+        pos = context + torch.arange(n, device=dev)
+        mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
+        none = torch.arange(0, device=dev)
+
+        def step():
+            target.forward(ids, pos, cache, tree_mask=mask, lazy=True)
+            target.compact(cache, context, none)
     times = []
-    for r in range(repeats + 1):  # the first run warms up (and compiles)
+    for r in range(repeats + 1):
         t0 = time.perf_counter()
-        target.forward(ids, pos, cache, tree_mask=mask)
+        step()
         if dev.type == "cuda":
             torch.cuda.synchronize()
         if r:
             times.append(time.perf_counter() - t0)
-        target.compact(cache, context, torch.arange(0, device=dev))
     return statistics.median(times)
 
 
 def measure(target, sizes=SIZES, context: int = 256, repeats: int = 5, use_cache: bool = True) -> dict[int, float]:
-    """{tree size: seconds per verify forward}; cached on disk per machine/model/dtype/backend."""
+    """{tree size: seconds per forward without the LM head, 0: seconds of the LM head over one
+    row}; cached on disk per machine/model/dtype/backend/threads."""
+    sizes = tuple(sorted({0, *sizes}))
     key = machine_key(target, context)
     saved = _load()
     have = {int(k): v for k, v in saved.get(key, {}).items()}
@@ -85,7 +100,7 @@ def _save(data: dict) -> None:
 
 def interpolate(costs: dict[int, float], n: int) -> float:
     """Cost of an n-node forward, linear between measured sizes (flat beyond the largest)."""
-    xs = sorted(costs)
+    xs = sorted(k for k in costs if k > 0)
     if n <= xs[0]:
         return costs[xs[0]]
     for a, b in zip(xs, xs[1:]):
@@ -104,10 +119,12 @@ def expected_tau(node_accept: list[float], budget: int) -> float:
 
 def best_budget(costs: dict[int, float], node_accept: list[float], draft_s: float,
                 candidates=range(2, 65)) -> tuple[int, float]:
-    """(budget, expected tokens/s) maximising expected_tau(b) / (draft_s + verify(b))."""
-    best = (1, 1.0 / costs[min(costs)])  # plain decoding: one token per 1-token forward, no draft
+    """(budget, expected tokens/s) maximising tau(b) / (draft_s + forward(b) + tau(b) * head)."""
+    head = costs.get(0, 0.0)
+    best = (1, 1.0 / (interpolate(costs, 1) + head))  # plain decoding: no draft, one head row
     for b in candidates:
-        rate = expected_tau(node_accept, b) / (draft_s + interpolate(costs, b))
+        tau = expected_tau(node_accept, b)
+        rate = tau / (draft_s + interpolate(costs, b) + tau * head)
         if rate > best[1]:
             best = (b, rate)
     return best
