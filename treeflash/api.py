@@ -91,7 +91,7 @@ class Engine:
         return ids, sampling, proposer
 
     def tokens(self, prompt, method: str = "treeflash", max_new_tokens: int = 256, temperature: float = 0.0,
-               top_p: float = 1.0, sampling_top_k: int = 0, tree_size: int = 16, top_m: int = 8,
+               top_p: float = 1.0, sampling_top_k: int = 0, tree_size: int | str = 8, top_m: int = 8,
                top_k: int = 8, seed: int | None = None, chat: bool = True, stats: Stats | None = None,
                stop_ids: set[int] | None = None, stage2_vocab: int | None = None,
                draft_vocab: bool = True) -> Iterator[int]:

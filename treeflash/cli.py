@@ -42,8 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser, method_default: str = "treeflash
     p.add_argument("--drafter", default=None,
                    help="drafter directory, 'random', or 'none' (default: the drafter shipped for the target)")
     p.add_argument("--method", default=method_default, choices=METHODS)
-    p.add_argument("--tree-size", type=tree_size_arg, default=16,
-                   help="nodes verified per step, root included; auto: the budget that maximises expected "
+    p.add_argument("--tree-size", type=tree_size_arg, default=8,
+                   help="nodes verified per step, root included (default 8: measured fastest with --tree-size 4 "
+                        "on this project's 2-core CPU, see docs/performance.md); auto: the budget that maximises expected "
                         "tokens/s here, from the target's measured verify cost (cached per machine) and a "
                         "short calibration of the drafter's acceptance")
     p.add_argument("--top-m", type=int, default=8, help="TreeFlash stage-1 candidates per position")

@@ -27,7 +27,7 @@ from .schemas import ApiError
 class ServeConfig:
     model_name: str
     method: str = "treeflash"
-    tree_size: int = 16
+    tree_size: int = 8
     top_m: int = 8
     top_k: int = 8
     temperature: float = 0.0        # used when a request does not say
