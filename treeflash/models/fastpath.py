@@ -143,15 +143,14 @@ class FastPath:
         dev = ids.device
         bucket = next((b for b in BUCKETS if b >= n), None)
         flat_prefill = tree_mask is None and n > 1
-        if not (self.compile and not flat_prefill and bucket is not None and start + bucket <= cache.capacity):
-            mask = torch.ones(n, end, dtype=torch.bool, device=dev)  # [N, start+N]
-            mask[:, start:] = causal(n, dev) if tree_mask is None else tree_mask
-            slots = torch.arange(start, end, device=dev)
-            h, tap_list = self._layers(self.decoder.embed_tokens(ids), positions, slots, mask, cache.k, cache.v,
-                                       end, taps)
-            return h, (torch.cat(tap_list, -1) if tap_list else None)
-        h, feats = self._run_compiled(cache, ids, positions, start, tree_mask, taps, bucket)
-        return h, (feats if taps else None)
+        if self.compile and not flat_prefill and bucket is not None and start + bucket <= cache.capacity:
+            h, feats = self._run_compiled(cache, ids, positions, start, tree_mask, taps, bucket)
+            return h, (feats if taps else None)
+        mask = torch.ones(n, end, dtype=torch.bool, device=dev)  # [N, start+N]
+        mask[:, start:] = causal(n, dev) if tree_mask is None else tree_mask
+        slots = torch.arange(start, end, device=dev)
+        h, tap_list = self._layers(self.decoder.embed_tokens(ids), positions, slots, mask, cache.k, cache.v, end, taps)
+        return h, (torch.cat(tap_list, -1) if tap_list else None)
 
     def _run_compiled(self, cache, ids, positions, start, tree_mask, taps, bucket):
         n, dev = len(ids), ids.device
