@@ -466,3 +466,14 @@ def test_draft_vocabulary_round_trips_restricts_proposals_and_rejects_bad_files(
     (tmp_path / "d" / DRAFT_VOCAB_NAME).write_bytes(b"junk")
     with pytest.raises(TreeflashError, match="unreadable"):
         load_drafter(tmp_path / "d")
+
+
+def test_default_tap_layers_are_in_range_for_every_depth():
+    """DFlash's rule (layer 1 .. L-3) must not index outside shallow targets (it gave -1 for L=2)."""
+    from treeflash.models.drafter import default_target_layer_ids
+
+    assert default_target_layer_ids(30, 4) == [1, 10, 18, 27]  # the shipped drafter's taps
+    for L in range(1, 41):
+        for taps in range(1, 6):
+            ids = default_target_layer_ids(L, taps)
+            assert len(ids) == taps and all(0 <= i < L for i in ids) and ids == sorted(ids), (L, taps, ids)

@@ -61,7 +61,8 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     """Evenly spread taps from layer 1 to layer L-3 (the DFlash rule); one tap -> the middle layer."""
     if num_taps == 1:
         return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
+    start = min(1, num_target_layers - 1)
+    end = max(start, num_target_layers - 3)  # shallow targets (< 4 layers): every tap stays in range
     return [int(round(start + i * (end - start) / (num_taps - 1))) for i in range(num_taps)]
 
 
