@@ -80,9 +80,9 @@ def profile(engine, prompts: list[str], methods: list[str], tree_size: int, max_
                                                       top_m, top_k, None, True, draft_vocab=opt != "full")
             timers, stats = Timers(), Stats()
             with instrumented(engine, proposer, timers):
-                for _ in decode(engine.target, proposer, ids, max_new_tokens, sampling, None, stats):
-                    pass
-            timers.s["target forward"] -= stats.prefill_s  # the prefill forward is not part of a step
+                for i, _ in enumerate(decode(engine.target, proposer, ids, max_new_tokens, sampling, None, stats)):
+                    if i == 0:  # the first token comes from the prefill: no step has run yet
+                        timers.s.clear()
             r = out[method]
             r["steps"] += stats.steps
             r["tokens"] += stats.new_tokens - 1  # the prefill's token
