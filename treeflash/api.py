@@ -103,10 +103,14 @@ class Engine:
         ids, sampling, proposer = self._prepare(prompt, method, max_new_tokens, temperature, top_p,
                                                 sampling_top_k, tree_size, top_m, top_k, stage2_vocab, chat,
                                                 draft_vocab)
-        if self.drafter is not None and self.target.tap_ids != self.drafter.config.target_layer_ids:
-            self.target.set_taps(self.drafter.config.target_layer_ids)  # a shared target, re-tapped
+        self._tap_target()
         with torch.no_grad():
             yield from decode(self.target, proposer, ids, int(max_new_tokens), sampling, seed, stats, stop_ids)
+
+    def _tap_target(self) -> None:
+        """A shared target serves several engines: tap the layers this engine's drafter reads."""
+        if self.drafter is not None and self.target.tap_ids != self.drafter.config.target_layer_ids:
+            self.target.set_taps(self.drafter.config.target_layer_ids)
 
     def auto_tree_size(self, method: str = "treeflash", top_m: int = 8, top_k: int = 8,
                        stage2_vocab: int | None = None, max_budget: int = 64, tokens: int = 48) -> AutoChoice:
@@ -122,8 +126,7 @@ class Engine:
         if method == "vanilla" or self.drafter is None:
             choice = AutoChoice(method, 1, 0.0, 1.0, 0.0, {})
         else:
-            if self.target.tap_ids != self.drafter.config.target_layer_ids:
-                self.target.set_taps(self.drafter.config.target_layer_ids)
+            self._tap_target()  # the cost of a forward includes this drafter's taps
             costs = costmodel.measure(self.target)
             stats = Stats()
             for prompt in CALIBRATION_PROMPTS:

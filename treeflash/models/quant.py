@@ -47,7 +47,7 @@ def quantize_linears(model: nn.Module, mode: str) -> int:
     if dtype not in (torch.bfloat16, torch.float32) or next(model.parameters()).device.type != "cpu":
         raise TreeflashError("int8 weight-only quantization runs on CPU targets in bfloat16 or float32")
     n = 0
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 setattr(module, child_name, Int8Linear(child))
