@@ -126,14 +126,19 @@ def run_pairs(args) -> int:
 
 def run_fit(args) -> int:
     from ..models.target import Target
-    from .trainer import TrainConfig, Trainer
+    from .trainer import TrainConfig, Trainer, dist_close
 
     kw = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
     kw.update(features=[str(p) for p in feature_files(args.features)], out=args.out)
     cfg = TrainConfig(**kw).check()
     target = Target.load(args.target, dtype="float32")
-    trainer = Trainer(cfg, target, resume=args.resume)
-    last = trainer.fit()
+    try:
+        trainer = Trainer(cfg, target, resume=args.resume)
+        last = trainer.fit()
+    except BaseException:
+        dist_close(wait=False)  # the other ranks may be inside a collective: no barrier
+        raise
+    dist_close()
     if trainer.rank == 0:
         print(json.dumps(last))
     return 0

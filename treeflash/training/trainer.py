@@ -103,6 +103,15 @@ def dist_env() -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
+def dist_close(wait: bool = True) -> None:
+    """Tear the process group down; with `wait`, first wait for every rank (rank 0 may still be
+    writing the checkpoint): a rank that exits with a live gloo group can abort under its peers."""
+    if dist.is_initialized():
+        if wait:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
 def all_sum(t: torch.Tensor, world: int) -> torch.Tensor:
     if world > 1:
         dist.all_reduce(t)
