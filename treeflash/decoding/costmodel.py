@@ -26,18 +26,24 @@ SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 CACHE_FILE = Path(os.environ.get("TREEFLASH_CACHE", Path.home() / ".cache" / "treeflash")) / "costs.json"
 
 
+COSTS_VERSION = "2"  # bump when the forward paths change, so old measurements are not reused
+
+
 def machine_key(target, context: int) -> str:
     cpu = platform.processor() or platform.machine()
-    return "|".join([cpu, str(os.cpu_count()), str(torch.get_num_threads()), target.name, str(target.dtype),
-                     target.backend, str(context)])
+    return "|".join([COSTS_VERSION, cpu, str(os.cpu_count()), str(torch.get_num_threads()), target.name,
+                     str(target.dtype), target.backend, str(context)])
 
 
 @torch.no_grad()
 def time_forward(target, n: int, context: int, repeats: int = 5) -> float:
     """Median seconds of one n-node tree forward without the LM head, plus the KV compaction (a
     chain: the mask shape is what matters) after `context` cached tokens; n = 0: the LM head over
-    one row. The first run warms up (and compiles)."""
+    one row. The first run warms up (and compiles). Where the forward runs the head over every
+    row itself (`target.head_in_forward`), the forward includes it and n = 0 costs nothing."""
     dev = target.device
+    if n == 0 and target.head_in_forward:
+        return 0.0
     if n == 0:
         h = torch.zeros(1, target.config.hidden_size, dtype=target.dtype, device=dev)
 

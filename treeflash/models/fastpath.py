@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..errors import TreeflashError
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-BUCKETS = (1, 8, 16, 32, 64)  # compiled tree sizes; a tree is padded to the next one
+BUCKETS = (1, 4, 8, 16, 32, 64)  # compiled tree sizes; a tree is padded to the next one
 CAPACITY_STEP = 512
 
 
@@ -31,23 +32,25 @@ def supported(config) -> bool:
 
 
 class StaticKV:
-    """Preallocated cache. k, v: [layers, 1, Hkv, capacity, D]; slots < `length` hold the context."""
+    """Preallocated cache. k[i], v[i]: [1, Hkv, capacity, D] per layer i (separate tensors, so a
+    compiled step updates each in place; views of one tensor would make it copy the whole cache);
+    slots < `length` hold the context."""
 
     def __init__(self, layers: int, n_kv: int, head_dim: int, capacity: int, dtype, device):
-        self.k = torch.zeros(layers, 1, n_kv, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.k = [torch.zeros(1, n_kv, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros_like(t) for t in self.k]
         self.length = 0
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Keep slots [:start] and the tree slots start+keep [K] (in order) at start..start+K-1."""
         idx = start + keep
         n = len(keep)
-        self.k[:, :, :, start:start + n] = self.k[:, :, :, idx]  # the gather copies first: no aliasing
-        self.v[:, :, :, start:start + n] = self.v[:, :, :, idx]
+        for t in (*self.k, *self.v):
+            t[:, :, start:start + n] = t[:, :, idx]  # the gather copies first: no aliasing
         self.length = start + n
 
 
@@ -58,6 +61,39 @@ def causal(n: int, device) -> torch.Tensor:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def fuse_linears(parts: list[nn.Linear]) -> nn.Linear | None:
+    """One nn.Linear computing cat([p(x) for p in parts], -1); the parts' weights (and biases)
+    become views into the fused ones, so the HF modules keep working and no memory is duplicated.
+    None when a part is not a plain nn.Linear (e.g. quantized) or the parts disagree on bias."""
+    if any(type(p) is not nn.Linear for p in parts) or len({p.bias is None for p in parts}) != 1:
+        return None
+    w = torch.cat([p.weight.detach() for p in parts])  # [sum O, I]
+    b = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    if b is not None:
+        fused.bias = nn.Parameter(b, requires_grad=False)
+    o = 0
+    for p in parts:
+        n = p.out_features
+        p.weight = nn.Parameter(w[o:o + n], requires_grad=False)
+        if b is not None:
+            p.bias = nn.Parameter(b[o:o + n], requires_grad=False)
+        o += n
+    return fused
+
+
+class FusedLayer(nn.Module):
+    """q|k|v and gate|up of one decoder layer as two matmuls (None where they cannot be fused)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        a, m = layer.self_attn, layer.mlp
+        self.qkv = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
+        self.gate_up = fuse_linears([m.gate_proj, m.up_proj])
+        self.sizes = (a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features)
 
 
 class FastPath:
@@ -76,6 +112,7 @@ class FastPath:
         self.qk_norm = hasattr(attn, "q_norm")
         self.compile = compile
         self._compiled = {}  # tap ids -> compiled step
+        self.fused = nn.ModuleList(FusedLayer(layer) for layer in self.decoder.layers)
 
     # ---- cache ----
     def new_cache(self, need: int, max_length: int) -> StaticKV:
@@ -84,7 +121,7 @@ class FastPath:
         return StaticKV(len(self.decoder.layers), self.n_kv, self.head_dim, cap, p.dtype, p.device)
 
     # ---- the step ----
-    def _layers(self, x, pos, slots, mask, k_cache, v_cache, n_keys: int | None, tap_ids: tuple):
+    def _layers(self, x, pos, slots, mask, k_cache: list, v_cache: list, n_keys: int | None, tap_ids: tuple):
         """x [N, H]; pos, slots [N]; mask [N, n_keys or capacity] bool.
 
         Returns h [N, H] (final-normed) and the outputs [N, H] of the layers `tap_ids`, in order."""
@@ -95,16 +132,21 @@ class FastPath:
         taps = {}
         for i, layer in enumerate(self.decoder.layers):
             a = layer.self_attn
+            fl = self.fused[i]
             h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(1, -1, a.config.num_attention_heads, self.head_dim)  # [1, N, Hq, D]
-            k = a.k_proj(h).view(1, -1, self.n_kv, self.head_dim)
-            v = a.v_proj(h).view(1, -1, self.n_kv, self.head_dim).transpose(1, 2)  # [1, Hkv, N, D]
+            if fl.qkv is not None:
+                q, k, v = fl.qkv(h).split(fl.sizes, -1)
+            else:
+                q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+            q = q.view(1, -1, a.config.num_attention_heads, self.head_dim)  # [1, N, Hq, D]
+            k = k.view(1, -1, self.n_kv, self.head_dim)
+            v = v.view(1, -1, self.n_kv, self.head_dim).transpose(1, 2)  # [1, Hkv, N, D]
             if self.qk_norm:
                 q, k = a.q_norm(q), a.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            k_cache[i].index_copy_(2, slots, k)
+            k_cache[i].index_copy_(2, slots, k)  # [1, Hkv, S, D]
             v_cache[i].index_copy_(2, slots, v)
             keys, values = k_cache[i], v_cache[i]  # [1, Hkv, S, D]
             if n_keys is not None:
@@ -112,30 +154,39 @@ class FastPath:
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scaling,
                                                enable_gqa=True)  # [1, Hq, N, D]
             x = x + a.o_proj(o.transpose(1, 2).reshape(1, o.shape[2], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = layer.post_attention_layernorm(x)
+            if fl.gate_up is not None:
+                g, u = fl.gate_up(h).chunk(2, -1)
+                x = x + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)
+            else:
+                x = x + layer.mlp(h)
             if i in tap_ids:
                 taps[i] = x[0]
         return self.decoder.norm(x[0]), [taps[i] for i in tap_ids]
 
-    def _step(self, ids, pos, slots, mask, k_cache, v_cache, tap_ids: tuple):
-        """The compiled unit: final states h [N, H] and the taps [N, taps*H] (the LM head runs
-        outside, over the rows the caller needs)."""
+    def _step(self, ids, pos, slots, mask, k_cache, v_cache, tap_ids: tuple, head: bool):
+        """The compiled unit: final states h [N, H] (with `head`: float32 logits [N, V] instead)
+        and the taps [N, taps*H]."""
         h, taps = self._layers(self.decoder.embed_tokens(ids), pos, slots, mask, k_cache, v_cache, None, tap_ids)
         feats = torch.cat(taps, -1) if taps else h[:, :0]
-        return h, feats
+        return (self.model.get_output_embeddings()(h).float() if head else h), feats
 
-    def _compiled_step(self, tap_ids: tuple):
-        if tap_ids not in self._compiled:
+    def _compiled_step(self, tap_ids: tuple, head: bool):
+        key = (tap_ids, head)
+        if key not in self._compiled:
             import torch._inductor.config as inductor_config
 
             inductor_config.freezing = True  # weights as constants: what makes compiling pay on CPU
-            self._compiled[tap_ids] = torch.compile(self._step, dynamic=False, fullgraph=True)
-        return self._compiled[tap_ids]
+            self._compiled[key] = torch.compile(self._step, dynamic=False, fullgraph=True)
+        return self._compiled[key]
 
     @torch.no_grad()
-    def forward(self, cache: StaticKV, ids, positions, start: int, tree_mask, tap_ids: list[int]):
+    def forward(self, cache: StaticKV, ids, positions, start: int, tree_mask, tap_ids: list[int], head: bool = False):
         """ids, positions [N] for slots start..start+N-1; tree_mask [N, N] bool among the new
-        tokens (None: causal). Returns final-normed states h [N, H] and features [N, taps*H] (or None)."""
+        tokens (None: causal). Returns final-normed states h [N, H], features [N, taps*H] (or None)
+        and, if `head` and the step ran compiled, float32 logits [N, V] for every row (else None):
+        inside the compiled graph the LM head uses a prepacked weight, so one pass over the tree
+        costs about what one row costs eagerly."""
         n, taps = len(ids), tuple(tap_ids)
         end = start + n
         if end > cache.capacity:
@@ -144,15 +195,15 @@ class FastPath:
         bucket = next((b for b in BUCKETS if b >= n), None)
         flat_prefill = tree_mask is None and n > 1
         if self.compile and not flat_prefill and bucket is not None and start + bucket <= cache.capacity:
-            h, feats = self._run_compiled(cache, ids, positions, start, tree_mask, taps, bucket)
-            return h, (feats if taps else None)
+            out, feats = self._run_compiled(cache, ids, positions, start, tree_mask, taps, bucket, head)
+            return (None, feats if taps else None, out) if head else (out, feats if taps else None, None)
         mask = torch.ones(n, end, dtype=torch.bool, device=dev)  # [N, start+N]
         mask[:, start:] = causal(n, dev) if tree_mask is None else tree_mask
         slots = torch.arange(start, end, device=dev)
         h, tap_list = self._layers(self.decoder.embed_tokens(ids), positions, slots, mask, cache.k, cache.v, end, taps)
-        return h, (torch.cat(tap_list, -1) if tap_list else None)
+        return h, (torch.cat(tap_list, -1) if tap_list else None), None
 
-    def _run_compiled(self, cache, ids, positions, start, tree_mask, taps, bucket):
+    def _run_compiled(self, cache, ids, positions, start, tree_mask, taps, bucket, head):
         n, dev = len(ids), ids.device
         pad = bucket - n
         mask = torch.zeros(bucket, cache.capacity, dtype=torch.bool, device=dev)  # [Nb, capacity]
@@ -164,5 +215,5 @@ class FastPath:
             ids = torch.cat([ids, ids.new_zeros(pad)])
             positions = torch.cat([positions, positions.new_full((pad,), int(positions[-1]))])
         slots = torch.arange(start, start + bucket, device=dev)
-        h, feats = self._compiled_step(taps)(ids, positions, slots, mask, cache.k, cache.v, taps)
-        return h[:n], feats[:n]
+        out, feats = self._compiled_step(taps, head)(ids, positions, slots, mask, cache.k, cache.v, taps, head)
+        return out[:n], feats[:n]

@@ -98,6 +98,8 @@ class Target:
             quantize_linears(self.model, mode)
             self.lm_head = self.model.get_output_embeddings()
             self.quantization = mode
+            if self.fast is not None:  # its fused matmuls hold the unquantized weights
+                self.set_backend(self.backend)
         return self
 
     def set_backend(self, name: str) -> "Target":
@@ -109,6 +111,12 @@ class Target:
         self.fast = None if name == "hf" else FastPath(self.model, compile=name == "compiled")
         self.backend = name
         return self
+
+    @property
+    def head_in_forward(self) -> bool:
+        """Whether tree forwards return every row's logits (the compiled path runs the LM head
+        inside its graph) rather than a per-row lazy head."""
+        return self.backend == "compiled"
 
     # ---- loading ----
     @classmethod
@@ -162,11 +170,14 @@ class Target:
         taps). All tensors on self.device.
         """
         start = self.cache_length(cache)
+        logits = None
         if isinstance(cache, StaticKV):
-            h, feats = self.fast.forward(cache, ids, positions, start, tree_mask, self.tap_ids)
+            h, feats, logits = self.fast.forward(cache, ids, positions, start, tree_mask, self.tap_ids, head=True)
             cache.length = start + len(ids)
         else:
             h, feats = self._hf_forward(ids, positions, cache, start, tree_mask)
+        if logits is not None:  # the compiled step ran the LM head over every row
+            return (logits if lazy or logits_rows is None else logits[logits_rows]), feats
         if lazy:
             return LazyLogits(h, self.lm_head), feats
         if logits_rows is not None:
