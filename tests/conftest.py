@@ -104,9 +104,9 @@ class OracleMarginal(_Oracle, Marginal):
 
 
 class OracleTreeFlash(_Oracle, TreeFlash):
-    def corrected_logp(self, h, root_token, cand, cols=None):
+    def corrected_logp(self, h, root_token, cand, cols=None, prev_col=None):
         assert cols is None, "the oracle boosts token ids: use stage2_vocab=0"
-        logp = super().corrected_logp(h, root_token, cand).clone()
+        logp = super().corrected_logp(h, root_token, cand, None, prev_col).clone()
         m = cand.shape[1]
         self._boost(logp[0], 1)
         for r in range(1, logp.shape[0]):

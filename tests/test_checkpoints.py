@@ -477,3 +477,43 @@ def test_default_tap_layers_are_in_range_for_every_depth():
         for taps in range(1, 6):
             ids = default_target_layer_ids(L, taps)
             assert len(ids) == taps and all(0 <= i < L for i in ids) and ids == sorted(ids), (L, taps, ids)
+
+
+def test_factored_correction_and_prev_table_match_the_plain_correction():
+    """The inference split of the AR correction (state half per position, previous-token half from
+    a per-token table) computes the same corrected states as `corrected`, and the table follows
+    weight updates."""
+    from treeflash.decoding.proposers import TreeParams, make_proposer
+    from conftest import tiny_drafter, tiny_target
+
+    torch.manual_seed(0)
+    target = tiny_target("llama")
+    d = tiny_drafter(target)
+    with torch.no_grad():
+        d.ar_approximation.d.weight.normal_(0, 0.2)  # a non-trivial correction
+    d.draft_vocab = torch.arange(0, 128, 2)
+    h = torch.randn(4, 64)                     # [P, H] pre-norm states
+    row_pos = torch.tensor([0, 1, 1, 2, 3, 3])  # [R]
+    prev = torch.tensor([5, 8, 10, 3, 7, 2])    # [R] previous tokens
+    with torch.no_grad():
+        want = d.corrected(h[row_pos], target.embed(prev))
+        assert (want - d.model.norm(h[row_pos])).abs().max() > 1e-2
+        got = d.corrected_rows(h, row_pos, d.ar_approximation.prev_part(target.embed(prev)))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        table = d.prev_table(target.embed)   # [Vd, 2A]
+        cols = torch.tensor([4, 5, 1, 3])    # tokens 8, 10, 2, 6
+        torch.testing.assert_close(table[cols], d.ar_approximation.prev_part(target.embed(d.draft_vocab[cols])))
+        d.ar_approximation.ug.weight.mul_(2)  # an in-place update (as an optimizer step)
+        torch.testing.assert_close(d.prev_table(target.embed)[cols],
+                                   d.ar_approximation.prev_part(target.embed(d.draft_vocab[cols])))
+        assert not torch.allclose(d.prev_table(target.embed)[cols], table[cols])
+    # the proposer's table path and its lookup path build the same tree
+    from treeflash.models.drafter import DraftCache
+    cache = DraftCache(1)
+    d.extend(cache, torch.randn(6, 2 * 64), torch.arange(6))
+    p = make_proposer("treeflash", d, target.embed, target.lm_head, TreeParams(10, top_m=3, top_k=3))
+    tree = p.propose(cache, 5, 6, 4)
+    d.PREV_TABLE_MAX_BYTES = 0  # no table: the previous-token half is computed per row
+    assert d.prev_table(target.embed) is None
+    again = p.propose(cache, 5, 6, 4)
+    assert torch.equal(tree.tokens, again.tokens) and torch.equal(tree.parents, again.parents)

@@ -128,12 +128,12 @@ class TreeFlash(Proposer):
         if marginal.shape[1] < m:
             raise TreeflashError(f"top-m {m} exceeds the drafter's draft vocabulary ({marginal.shape[1]} tokens)")
         n_cols = min(max(self.params.stage2_vocab, m), marginal.shape[1]) if self.params.stage2_vocab else 0
-        top = marginal.topk(max(m, n_cols), -1).indices  # [D, max(m, C)], best first
-        if ids is not None:
-            top = ids[top]  # draft-vocabulary column -> token id
+        top_col = marginal.topk(max(m, n_cols), -1).indices  # [D, max(m, C)], best first
+        top = ids[top_col] if ids is not None else top_col  # draft-vocabulary column -> token id
         cand = top[:, :m]  # [D, m]
         cols = top[:, :n_cols] if n_cols else None  # [D, C]
-        logp = self.corrected_logp(h, root_token, cand, cols)  # [1 + (D-1)*m, C]
+        prev_col = top_col[:-1, :m].reshape(-1) if ids is not None else None  # [(D-1)*m]
+        logp = self.corrected_logp(h, root_token, cand, cols, prev_col)  # [1 + (D-1)*m, C]
         vals, idx = logp.topk(k, -1)  # [1 + (D-1)*m, k]
         if cols is not None:  # column -> token id
             idx = torch.cat([cols[0][idx[0]][None], cols[1:].repeat_interleave(m, 0).gather(1, idx[1:])])
@@ -141,16 +141,24 @@ class TreeFlash(Proposer):
         return TransitionTables(cand, idx[0], vals[0], idx[1:].view(D - 1, m, k), vals[1:].view(D - 1, m, k))
 
     def corrected_logp(self, h: torch.Tensor, root_token: int, cand: torch.Tensor,
-                       cols: torch.Tensor | None = None) -> torch.Tensor:
+                       cols: torch.Tensor | None = None, prev_col: torch.Tensor | None = None) -> torch.Tensor:
         """Row 0: depth 1 given the root; row 1 + (d-1)*m + j: depth d+1 given cand[d-1, j].
 
-        h [D+1, H], cand [D, m], cols [D, C] token ids per depth (None: all V)
+        h [D+1, H], cand [D, m], cols [D, C] token ids per depth (None: all V), prev_col
+        [(D-1)*m] the draft-vocabulary columns of cand[:-1] (None: look the tokens up)
         -> log-probs [1 + (D-1)*m, C] over those columns.
         """
         D, m = cand.shape
-        prev = torch.cat([cand.new_tensor([root_token]), cand[:-1].reshape(-1)])  # [1 + (D-1)*m]
-        rows_h = torch.cat([h[1:2], h[2:].repeat_interleave(m, 0)])  # [1 + (D-1)*m, H]
-        x = self.drafter.corrected(rows_h, self.embed(prev))  # [1 + (D-1)*m, H]
+        ar = self.drafter.ar_approximation
+        dev = h.device
+        # the AR correction's state half runs once per position, its previous-token half comes
+        # from the drafter's per-token table where there is one
+        row_pos = torch.cat([torch.zeros(1, dtype=torch.long, device=dev),
+                             torch.arange(1, D, device=dev).repeat_interleave(m)])  # [1 + (D-1)*m]
+        root_part = ar.prev_part(self.embed(cand.new_tensor([root_token])))  # [1, 2A]
+        table = self.drafter.prev_table(self.embed) if prev_col is not None else None
+        cand_part = table[prev_col] if table is not None else ar.prev_part(self.embed(cand[:-1].reshape(-1)))
+        x = self.drafter.corrected_rows(h[1:], row_pos, torch.cat([root_part, cand_part]))  # [1 + (D-1)*m, H]
         if cols is None:
             return self.lm_head(x).float().log_softmax(-1)
         w = self.lm_head.weight[cols]  # [D, C, H]

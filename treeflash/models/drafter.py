@@ -348,10 +348,34 @@ class ARApproximation(nn.Module):
         self.norm = RMSNorm(c.hidden_size, AR_NORM_EPS)  # fixed eps, as published
         self.ug = nn.Linear(2 * c.hidden_size, 2 * c.ar_size, bias=True)
         self.d = nn.Linear(c.ar_size, c.hidden_size, bias=False)
+        self._split: tuple | None = None
 
     def forward(self, h: torch.Tensor, prev_emb: torch.Tensor, final_norm: RMSNorm) -> torch.Tensor:
         """h [..., H] pre-norm drafter states; prev_emb [..., H] -> corrected pre-norm states [..., H]."""
-        u, g = self.ug(torch.cat([self.norm(prev_emb), final_norm(h)], -1)).chunk(2, -1)
+        return self.combine(h, self.ug(torch.cat([self.norm(prev_emb), final_norm(h)], -1)))
+
+    # ug is linear in its two halves, so inference can compute them apart: the state half once per
+    # position (not once per candidate), the previous-token half from a per-token table.
+    def _halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_prev [2A, H], W_state [2A, H]) contiguous, cached until the weight changes."""
+        w = self.ug.weight
+        key = (w.data_ptr(), w._version, w.dtype)
+        if self._split is None or self._split[0] != key:
+            H = w.shape[1] // 2
+            self._split = (key, (w[:, :H].contiguous(), w[:, H:].contiguous()))
+        return self._split[1]
+
+    def prev_part(self, prev_emb: torch.Tensor) -> torch.Tensor:
+        """prev_emb [R, H] -> the previous-token half of ug, bias included [R, 2A]."""
+        return F.linear(self.norm(prev_emb), self._halves()[0], self.ug.bias)
+
+    def state_part(self, h: torch.Tensor, final_norm: RMSNorm) -> torch.Tensor:
+        """h [P, H] pre-norm -> the state half of ug [P, 2A]."""
+        return F.linear(final_norm(h), self._halves()[1])
+
+    def combine(self, h: torch.Tensor, ug: torch.Tensor) -> torch.Tensor:
+        """h [R, H], ug [R, 2A] (both halves summed) -> corrected pre-norm states [R, H]."""
+        u, g = ug.chunk(2, -1)
         return h + self.d(F.silu(g) * u)
 
 
@@ -378,6 +402,7 @@ class Drafter(nn.Module):
         # runs over those rows only. None = the whole vocabulary. Verification never uses it.
         self.draft_vocab: torch.Tensor | None = None
         self._head_rows: tuple | None = None
+        self._prev_table: tuple | None = None
 
     @property
     def block_size(self) -> int:
@@ -435,6 +460,35 @@ class Drafter(nn.Module):
         """One inference pass: block [B, H] at positions start.. -> h [B, H] (pre-norm)."""
         pos = torch.arange(start, start + block_emb.shape[0], device=block_emb.device)
         return self.forward_block(block_emb, pos, list(zip(cache.k, cache.v)))
+
+    PREV_TABLE_MAX_BYTES = 128 << 20
+
+    def prev_table(self, embed: nn.Module) -> torch.Tensor | None:
+        """ar_approximation.prev_part of every draft-vocabulary token [Vd, 2A] (cached), or None
+        without a draft vocabulary or when the table would exceed PREV_TABLE_MAX_BYTES."""
+        ar = self.ar_approximation
+        if ar is None or self.draft_vocab is None:
+            return None
+        w = ar.ug.weight
+        if len(self.draft_vocab) * w.shape[0] * w.element_size() > self.PREV_TABLE_MAX_BYTES:
+            return None
+        key = (w.data_ptr(), w._version, embed.weight.data_ptr(), self.draft_vocab.data_ptr())
+        if self._prev_table is None or self._prev_table[0] != key:
+            with torch.no_grad():
+                table = ar.prev_part(embed(self.draft_vocab.to(w.device)))
+            self._prev_table = (key, table)
+        return self._prev_table[1]
+
+    def corrected_rows(self, h: torch.Tensor, row_pos: torch.Tensor, prev_part: torch.Tensor) -> torch.Tensor:
+        """TreeFlash-corrected, final-normed states for rows that share positions.
+
+        h [P, H] pre-norm states of P positions; row_pos [R] the position of each row; prev_part
+        [R, 2A] each row's previous-token half (`ARApproximation.prev_part` or `prev_table` rows)
+        -> [R, H]. Equals `corrected(h[row_pos], embed(prev))` up to rounding, for a fraction of
+        the matmuls when R >> P."""
+        ar = self.ar_approximation
+        ug = ar.state_part(h, self.model.norm)[row_pos] + prev_part  # [R, 2A]
+        return self.model.norm(ar.combine(h[row_pos], ug))
 
     def corrected(self, h: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
         """Final-normed states after the TreeFlash correction; without one, the marginal states."""
