@@ -123,6 +123,19 @@ def test_compiled_backend_is_lossless():
     ref = vanilla(tiny_target("llama", logit_scale=3.0), PROMPT, N)
     target = tiny_target("llama", logit_scale=3.0).set_backend("compiled")
     drafter = tiny_drafter(target, block_size=8)
+    drafter.compile_drafting()  # as the engine does on this backend
     stats = Stats()
     out = run(target, oracle("treeflash", target, drafter, PROMPT + ref, 16), PROMPT, N, stats=stats)
     assert out == ref and stats.mean_acceptance_length > 1.5
+    # the compiled block pass drafts what the eager one does, at any context length
+    from treeflash.models.drafter import DraftCache
+    cache = DraftCache(len(drafter.model.layers))
+    emb = target.embed(torch.arange(8))
+    for n in (5, 3):
+        drafter.extend(cache, torch.randn(n, drafter.model.fc.in_features), torch.arange(cache.length, cache.length + n))
+        with torch.no_grad():
+            got = drafter.draft(cache, emb, cache.length)
+            drafter.compile_drafting(False)
+            want = drafter.draft(cache, emb, cache.length)
+            drafter.compile_drafting()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -104,6 +104,8 @@ class Engine:
                                                 sampling_top_k, tree_size, top_m, top_k, stage2_vocab, chat,
                                                 draft_vocab)
         self._tap_target()
+        if self.drafter is not None:  # the compiled backend compiles the drafter's block pass too
+            self.drafter.compile_drafting(self.target.backend == "compiled")
         with torch.no_grad():
             yield from decode(self.target, proposer, ids, int(max_new_tokens), sampling, seed, stats, stop_ids)
 

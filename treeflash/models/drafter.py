@@ -388,8 +388,9 @@ class DraftCache:
         self.length = 0
 
     def append(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[i] = k if self.k[i] is None else torch.cat([self.k[i], k], 1)
-        self.v[i] = v if self.v[i] is None else torch.cat([self.v[i], v], 1)
+        # contiguous from the start: a compiled block pass then sees one layout every step
+        self.k[i] = k.contiguous() if self.k[i] is None else torch.cat([self.k[i], k], 1)
+        self.v[i] = v.contiguous() if self.v[i] is None else torch.cat([self.v[i], v], 1)
 
 
 class Drafter(nn.Module):
@@ -403,6 +404,7 @@ class Drafter(nn.Module):
         self.draft_vocab: torch.Tensor | None = None
         self._head_rows: tuple | None = None
         self._prev_table: tuple | None = None
+        self._compiled_block = None
 
     @property
     def block_size(self) -> int:
@@ -459,7 +461,20 @@ class Drafter(nn.Module):
     def draft(self, cache: DraftCache, block_emb: torch.Tensor, start: int) -> torch.Tensor:
         """One inference pass: block [B, H] at positions start.. -> h [B, H] (pre-norm)."""
         pos = torch.arange(start, start + block_emb.shape[0], device=block_emb.device)
-        return self.forward_block(block_emb, pos, list(zip(cache.k, cache.v)))
+        block = self._compiled_block or self.forward_block
+        return block(block_emb, pos, list(zip(cache.k, cache.v)))
+
+    def compile_drafting(self, on: bool = True) -> None:
+        """torch.compile the inference block pass (`draft`), with the context length dynamic so
+        it compiles once (the compiled target backend turns this on). Weights are frozen into
+        the compiled graph: recompile (off, then on) after changing them."""
+        if not on:
+            self._compiled_block = None
+        elif self._compiled_block is None:
+            import torch._inductor.config as inductor_config
+
+            inductor_config.freezing = True
+            self._compiled_block = torch.compile(self.forward_block, dynamic=True)
 
     PREV_TABLE_MAX_BYTES = 128 << 20
 
