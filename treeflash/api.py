@@ -83,6 +83,8 @@ class Engine:
             tree_size = self.auto_tree_size(method, top_m, top_k, stage2).budget
         params = TreeParams(int(tree_size), int(top_m), int(top_k), stage2, bool(draft_vocab)).check(self.target.vocab_rows)
         proposer = make_proposer(method, self.drafter, self.target.embed, self.target.drafting_head, params)
+        if self.drafter is not None:  # the compiled backend compiles the drafter's block pass too
+            self.drafter.compile_drafting(self.target.backend == "compiled")
         ids = self.target.encode(prompt, chat=chat)
         if len(ids) >= self.target.max_length:
             raise TreeflashError(f"prompt has {len(ids)} tokens; the context window is {self.target.max_length}")
@@ -104,8 +106,6 @@ class Engine:
                                                 sampling_top_k, tree_size, top_m, top_k, stage2_vocab, chat,
                                                 draft_vocab)
         self._tap_target()
-        if self.drafter is not None:  # the compiled backend compiles the drafter's block pass too
-            self.drafter.compile_drafting(self.target.backend == "compiled")
         with torch.no_grad():
             yield from decode(self.target, proposer, ids, int(max_new_tokens), sampling, seed, stats, stop_ids)
 
