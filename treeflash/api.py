@@ -186,8 +186,8 @@ def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = 
     "none" -> no drafter (vanilla decoding only). dtype "auto": bf16 where the hardware computes
     it natively, else fp32. device: "cuda" when a GPU is present, else "cpu". backend: the
     target's forward path (`Target.set_backend`): auto | hf | static | compiled; it belongs to the
-    (cached, shared) target, so the last engine loaded sets it. quantize: "none" | "int8"
-    (weight-only int8 target on CPU; this changes the target, see `models/quant.py`).
+    (cached, shared) target, so the last engine loaded sets it. quantize: "none" | "int8" |
+    "int4" (weight-only quantized target on CPU; this changes the target, see `models/quant.py`).
     """
     tgt = _load_target(target, parse_dtype(dtype), device or default_device(), quantize)
     if backend != tgt.backend:

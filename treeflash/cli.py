@@ -59,9 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser, method_default: str = "treeflash
                    help="target forward: static = lean path over a preallocated KV cache (Llama-family; "
                         "auto picks it where supported), compiled = the same under torch.compile "
                         "(first use compiles for ~30 s per tree size), hf = the model's own forward")
-    p.add_argument("--quantize", default="none", choices=["none", "int8"],
-                   help="int8: weight-only int8 target on CPU (faster, but a different target: its greedy "
-                        "output differs from the unquantized model's on some tokens)")
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="int8 / int4: weight-only quantized target on CPU (faster, but a different target: "
+                        "its greedy output differs from the unquantized model's on some tokens)")
     p.add_argument("--seed", type=int, default=None)
 
 

@@ -41,8 +41,8 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--backend", default="auto", choices=["auto", "hf", "static", "compiled"],
                    help="target forward path for our methods (see treeflash generate --help)")
-    p.add_argument("--quantize", default="none", choices=["none", "int8"],
-                   help="int8: weight-only int8 target for our methods (compare with a run without it)")
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="int8 / int4: weight-only quantized target for our methods (compare with a run without it)")
     p.add_argument("--target", default="smollm2-135m", help="built-in name, HF model directory or .gguf file")
     p.add_argument("--drafter", default=None, help="drafter directory, 'random', or default: the shipped one")
     p.add_argument("--assistant", default=None, help="NAME|PATH of a smaller same-tokenizer model for hf-assisted")

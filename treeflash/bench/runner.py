@@ -39,7 +39,7 @@ class BenchConfig:
     temperature: float = 0.0
     dtype: str = "bfloat16"
     backend: str = "auto"  # the target forward path (Target.set_backend)
-    quantize: str = "none"  # "int8": weight-only int8 target (a different target; see models/quant.py)
+    quantize: str = "none"  # "int8" / "int4": weight-only quantized target (a different target; see models/quant.py)
     target: str = "smollm2-135m"
     drafter: str | None = None
     assistant: str | None = None

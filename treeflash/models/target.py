@@ -88,7 +88,7 @@ class Target:
         self.backend = "hf"
 
     def quantize(self, mode: str) -> "Target":
-        """Weight-only int8 for the decoder's linear layers and the verify LM head (`quant.py`).
+        """Weight-only int8 / int4 for the decoder's linear layers and the verify LM head (`quant.py`).
         The drafter keeps reading the unquantized LM head (`drafting_head`)."""
         from .quant import quantize_linears
 
