@@ -185,3 +185,16 @@ def test_speedups_include_llama_cpp_when_it_ran():
     add_speedups(rows)
     tf = rows[-1]
     assert (tf["speedup_vs_vanilla"], tf["speedup_vs_hf_generate"], tf["speedup_vs_llama_cpp"]) == (2.0, 2.5, 0.5)
+
+
+def test_quantized_bench_reports_agreement_with_the_unquantized_target(tmp_path, tiny_target):
+    out = tmp_path / "out"
+    assert main(["bench", "--target", tiny_target, "--dtype", "float32", "--quantize", "int8", "--backend", "static",
+                 "--datasets", "gsm8k", "--methods", "vanilla,hf-generate", "--num-prompts", "2",
+                 "--max-new-tokens", "12", "--no-warmup", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    note = next(n for n in res["notes"] if n.startswith("int8: "))
+    same, n = note.split(" first turns")[0].split(" on ")[-1].split("/")
+    pct = int(note.split("% of the unquantized")[0].split("; ")[-1])
+    assert int(n) == 2 and 0 <= int(same) <= 2 and 0 <= pct <= 100
+    assert int(same) < 2 or pct == 100
