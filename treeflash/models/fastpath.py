@@ -40,10 +40,22 @@ class StaticKV:
         self.k = [torch.zeros(1, n_kv, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros_like(t) for t in self.k]
         self.length = 0
+        self._inputs: dict[int, dict[str, torch.Tensor]] = {}
 
     @property
     def capacity(self) -> int:
         return self.k[0].shape[2]
+
+    def inputs(self, bucket: int) -> dict[str, torch.Tensor]:
+        """Reused input buffers of the compiled step for one bucket size: mask [Nb, capacity] bool,
+        ids, pos, slots, rows (0..Nb-1) [Nb] long, causal [Nb, Nb] bool."""
+        if bucket not in self._inputs:
+            dev = self.k[0].device
+            z = torch.zeros(bucket, dtype=torch.long, device=dev)
+            self._inputs[bucket] = {"mask": torch.zeros(bucket, self.capacity, dtype=torch.bool, device=dev),
+                                    "ids": z.clone(), "pos": z.clone(), "slots": z.clone(),
+                                    "rows": torch.arange(bucket, device=dev), "causal": causal(bucket, dev)}
+        return self._inputs[bucket]
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Keep slots [:start] and the tree slots start+keep [K] (in order) at start..start+K-1."""
@@ -204,16 +216,22 @@ class FastPath:
         return h, (torch.cat(tap_list, -1) if tap_list else None), None
 
     def _run_compiled(self, cache, ids, positions, start, tree_mask, taps, bucket, head):
-        n, dev = len(ids), ids.device
-        pad = bucket - n
-        mask = torch.zeros(bucket, cache.capacity, dtype=torch.bool, device=dev)  # [Nb, capacity]
+        n = len(ids)
+        b = cache.inputs(bucket)  # preallocated per cache and bucket: no per-step allocation
+        mask = b["mask"]  # [Nb, capacity]
+        mask.zero_()
         mask[:, :start] = True
-        mask[:n, start:start + n] = causal(n, dev) if tree_mask is None else tree_mask
+        if tree_mask is None:
+            mask[:n, start:start + n] = b["causal"][:n, :n]
+        else:
+            mask[:n, start:start + n] = tree_mask
+        pad = bucket - n
+        b["ids"][:n] = ids
+        b["pos"][:n] = positions
         if pad:  # padded rows attend to their own slot only; their cache slots are scratch
-            r = torch.arange(n, bucket, device=dev)
-            mask[r, start + r] = True
-            ids = torch.cat([ids, ids.new_zeros(pad)])
-            positions = torch.cat([positions, positions.new_full((pad,), int(positions[-1]))])
-        slots = torch.arange(start, start + bucket, device=dev)
-        out, feats = self._compiled_step(taps, head)(ids, positions, slots, mask, cache.k, cache.v, taps, head)
+            mask[b["rows"][n:], start + b["rows"][n:]] = True
+            b["ids"][n:] = 0
+            b["pos"][n:] = positions[-1]
+        torch.add(b["rows"], start, out=b["slots"])
+        out, feats = self._compiled_step(taps, head)(b["ids"], b["pos"], b["slots"], mask, cache.k, cache.v, taps, head)
         return out[:n], feats[:n]
