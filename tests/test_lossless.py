@@ -139,3 +139,15 @@ def test_compiled_backend_is_lossless():
             want = drafter.draft(cache, emb, cache.length)
             drafter.compile_drafting()
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_budget_one_is_plain_decoding_without_drafter_work():
+    """A 1-node tree proposes nothing, so the drafter is not run at all (not even its context update)."""
+    target = tiny_target("llama", logit_scale=3.0)
+    drafter = tiny_drafter(target)
+    calls = []
+    drafter.extend = lambda *a, **k: calls.append(1)
+    p = make_proposer("treeflash", drafter, target.embed, target.lm_head, TreeParams(1))
+    stats = Stats()
+    assert run(target, p, PROMPT, 12, stats=stats) == vanilla(target, PROMPT, 12)
+    assert not calls and stats.steps == 11 and stats.mean_acceptance_length == 1.0

@@ -93,7 +93,8 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
     if max_new_tokens < 1:
         raise TreeflashError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    drafter = proposer.drafter
+    # a budget of 1 is plain decoding: no drafter work at all (not even its context update)
+    drafter = proposer.drafter if proposer.params.budget >= 2 else None
     dcache = DraftCache(len(drafter.model.layers)) if drafter is not None else None
     block = drafter.block_size if drafter is not None else 1
     cache = target.new_cache(min(limit, len(prompt_ids) + max_new_tokens + block))
