@@ -130,8 +130,9 @@ class Engine:
         else:
             self._tap_target()  # the cost of a forward includes this drafter's taps
             costs = costmodel.measure(self.target)
-            # untimed first: compiling (the compiled backend) must not count as drafting time
-            for _ in self.tokens(CALIBRATION_PROMPTS[0], method=method, max_new_tokens=4, tree_size=max_budget,
+            # untimed first: compiling (the compiled backend) must not count as drafting time; long
+            # enough for full blocks and the shorter ones at the end (each a drafter shape)
+            for _ in self.tokens(CALIBRATION_PROMPTS[0], method=method, max_new_tokens=24, tree_size=max_budget,
                                  top_m=top_m, top_k=top_k, stage2_vocab=stage2_vocab, stop_ids=set()):
                 pass
             stats = Stats()
