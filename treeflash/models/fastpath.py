@@ -176,27 +176,25 @@ class FastPath:
                 taps[i] = x[0]
         return self.decoder.norm(x[0]), [taps[i] for i in tap_ids]
 
-    def _step(self, ids, pos, slots, mask, k_cache, v_cache, tap_ids: tuple, head: bool):
-        """The compiled unit: final states h [N, H] (with `head`: float32 logits [N, V] instead)
-        and the taps [N, taps*H]."""
+    def _step(self, ids, pos, slots, mask, k_cache, v_cache, tap_ids: tuple):
+        """The compiled unit: float32 logits [N, V] of every row and the taps [N, taps*H]."""
         h, taps = self._layers(self.decoder.embed_tokens(ids), pos, slots, mask, k_cache, v_cache, None, tap_ids)
         feats = torch.cat(taps, -1) if taps else h[:, :0]
-        return (self.model.get_output_embeddings()(h).float() if head else h), feats
+        return self.model.get_output_embeddings()(h).float(), feats
 
-    def _compiled_step(self, tap_ids: tuple, head: bool):
-        key = (tap_ids, head)
-        if key not in self._compiled:
+    def _compiled_step(self, tap_ids: tuple):
+        if tap_ids not in self._compiled:
             import torch._inductor.config as inductor_config
 
             inductor_config.freezing = True  # weights as constants: what makes compiling pay on CPU
-            self._compiled[key] = torch.compile(self._step, dynamic=False, fullgraph=True)
-        return self._compiled[key]
+            self._compiled[tap_ids] = torch.compile(self._step, dynamic=False, fullgraph=True)
+        return self._compiled[tap_ids]
 
     @torch.no_grad()
-    def forward(self, cache: StaticKV, ids, positions, start: int, tree_mask, tap_ids: list[int], head: bool = False):
+    def forward(self, cache: StaticKV, ids, positions, start: int, tree_mask, tap_ids: list[int]):
         """ids, positions [N] for slots start..start+N-1; tree_mask [N, N] bool among the new
-        tokens (None: causal). Returns final-normed states h [N, H], features [N, taps*H] (or None)
-        and, if `head` and the step ran compiled, float32 logits [N, V] for every row (else None):
+        tokens (None: causal). Returns (h, features [N, taps*H] or None, logits). Eager: h the
+        final-normed states [N, H], logits None. Compiled: h None, logits float32 [N, V] of every row:
         inside the compiled graph the LM head uses a prepacked weight, so one pass over the tree
         costs about what one row costs eagerly."""
         n, taps = len(ids), tuple(tap_ids)
@@ -207,15 +205,15 @@ class FastPath:
         bucket = next((b for b in BUCKETS if b >= n), None)
         flat_prefill = tree_mask is None and n > 1
         if self.compile and not flat_prefill and bucket is not None and start + bucket <= cache.capacity:
-            out, feats = self._run_compiled(cache, ids, positions, start, tree_mask, taps, bucket, head)
-            return (None, feats if taps else None, out) if head else (out, feats if taps else None, None)
+            logits, feats = self._run_compiled(cache, ids, positions, start, tree_mask, taps, bucket)
+            return None, (feats if taps else None), logits
         mask = torch.ones(n, end, dtype=torch.bool, device=dev)  # [N, start+N]
         mask[:, start:] = causal(n, dev) if tree_mask is None else tree_mask
         slots = torch.arange(start, end, device=dev)
         h, tap_list = self._layers(self.decoder.embed_tokens(ids), positions, slots, mask, cache.k, cache.v, end, taps)
         return h, (torch.cat(tap_list, -1) if tap_list else None), None
 
-    def _run_compiled(self, cache, ids, positions, start, tree_mask, taps, bucket, head):
+    def _run_compiled(self, cache, ids, positions, start, tree_mask, taps, bucket):
         n = len(ids)
         b = cache.inputs(bucket)  # preallocated per cache and bucket: no per-step allocation
         mask = b["mask"]  # [Nb, capacity]
@@ -233,5 +231,5 @@ class FastPath:
             b["ids"][n:] = 0
             b["pos"][n:] = positions[-1]
         torch.add(b["rows"], start, out=b["slots"])
-        out, feats = self._compiled_step(taps, head)(b["ids"], b["pos"], b["slots"], mask, cache.k, cache.v, taps, head)
+        out, feats = self._compiled_step(taps)(b["ids"], b["pos"], b["slots"], mask, cache.k, cache.v, taps)
         return out[:n], feats[:n]

@@ -172,7 +172,7 @@ class Target:
         start = self.cache_length(cache)
         logits = None
         if isinstance(cache, StaticKV):
-            h, feats, logits = self.fast.forward(cache, ids, positions, start, tree_mask, self.tap_ids, head=True)
+            h, feats, logits = self.fast.forward(cache, ids, positions, start, tree_mask, self.tap_ids)
             cache.length = start + len(ids)
         else:
             h, feats = self._hf_forward(ids, positions, cache, start, tree_mask)
