@@ -104,7 +104,7 @@ class OracleMarginal(_Oracle, Marginal):
 
 
 class OracleTreeFlash(_Oracle, TreeFlash):
-    def corrected_logp(self, h, root_token, cand, cols=None, prev_col=None):
+    def corrected_logp(self, h, root_token, cand, cols=None, prev_col=None, col_idx=None):
         assert cols is None, "the oracle boosts token ids: use stage2_vocab=0"
         logp = super().corrected_logp(h, root_token, cand, None, prev_col).clone()
         m = cand.shape[1]

@@ -101,3 +101,34 @@ def test_static_backend_rejects_unsupported_models_and_full_caches():
     assert target.set_backend("auto").backend == "hf"
     with pytest.raises(TreeflashError, match="supports"):
         target.set_backend("static")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_long_bf16_prefill_computes_in_float32(arch, monkeypatch):
+    """The upcast prefill of a bf16 target (CPUs without AMX) is closer to the float32 model than
+    the bf16-computed one, stores bf16 keys, and returns bf16 states and features."""
+    from treeflash.models import fastpath
+
+    ref_target = tiny_target(arch)
+    ref_target.model.to(torch.bfloat16).float()  # the float32 model of the same (bf16) weights
+    ref_target.set_taps([1, 2])
+    seq = torch.randint(0, 128, (fastpath.UPCAST_MIN_ROWS + 6,), generator=torch.Generator().manual_seed(3))
+    _, ref = ref_target.forward(seq, torch.arange(len(seq)), ref_target.new_cache(128))
+    target = tiny_target(arch)
+    target.model.to(torch.bfloat16)
+    target.set_backend("static")
+    target.set_taps([1, 2])
+    errs = {}
+    for upcast in (False, True):
+        target.fast.upcast = upcast
+        cache = target.new_cache(128)
+        logits, feats = target.forward(seq, torch.arange(len(seq)), cache)
+        assert feats.dtype == cache.k[0].dtype == torch.bfloat16
+        errs[upcast] = (feats.float() - ref).abs().max().item()
+    assert errs[True] < errs[False] / 2, errs
+    # short sequences (decode steps) keep computing in bf16
+    calls = []
+    monkeypatch.setattr(fastpath.F, "linear", lambda x, w, b=None: calls.append(x.dtype) or torch.matmul(x, w.T))
+    target.forward(seq[:3], torch.arange(len(seq), len(seq) + 3), cache)
+    assert calls and set(calls) == {torch.bfloat16}  # no upcast
+    assert fastpath.upcast_pays(torch.float32, torch.device("cpu")) is False

@@ -511,9 +511,18 @@ def test_factored_correction_and_prev_table_match_the_plain_correction():
     from treeflash.models.drafter import DraftCache
     cache = DraftCache(1)
     d.extend(cache, torch.randn(6, 2 * 64), torch.arange(6))
-    p = make_proposer("treeflash", d, target.embed, target.lm_head, TreeParams(10, top_m=3, top_k=3))
-    tree = p.propose(cache, 5, 6, 4)
+    p = make_proposer("treeflash", d, target.embed, target.lm_head,
+                      TreeParams(10, top_m=3, top_k=3, stage2_vocab=8))
+    roots = (5, 6)  # 6 is in the draft vocabulary: the root's half comes from the table too
+    trees = [p.propose(cache, r, 6, 4) for r in roots]
+    # stage-2 columns read from the draft head's rows equal the LM head's rows of those tokens
+    h, cand = torch.randn(5, 64), torch.tensor([[0, 2, 4], [6, 8, 10], [12, 14, 16], [18, 20, 22]])
+    col_idx = torch.randint(0, 64, (4, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(p.corrected_logp(h, 6, cand, d.draft_vocab[col_idx], None, col_idx),
+                                   p.corrected_logp(h, 6, cand, d.draft_vocab[col_idx]))
     d.PREV_TABLE_MAX_BYTES = 0  # no table: the previous-token half is computed per row
     assert d.prev_table(target.embed) is None
-    again = p.propose(cache, 5, 6, 4)
-    assert torch.equal(tree.tokens, again.tokens) and torch.equal(tree.parents, again.parents)
+    for r, tree in zip(roots, trees):
+        again = p.propose(cache, r, 6, 4)
+        assert torch.equal(tree.tokens, again.tokens) and torch.equal(tree.parents, again.parents)

@@ -127,18 +127,23 @@ def test_compiled_backend_is_lossless():
     stats = Stats()
     out = run(target, oracle("treeflash", target, drafter, PROMPT + ref, 16), PROMPT, N, stats=stats)
     assert out == ref and stats.mean_acceptance_length > 1.5
-    # the compiled block pass drafts what the eager one does, at any context length
+    # the compiled block pass drafts what the eager one does, at any context length, also when it
+    # appends the deferred context of the last step in the same call
     from treeflash.models.drafter import DraftCache
-    cache = DraftCache(len(drafter.model.layers))
+    cache, ref_cache = DraftCache(len(drafter.model.layers)), DraftCache(len(drafter.model.layers))
     emb = target.embed(torch.arange(8))
-    for n in (5, 3):
-        drafter.extend(cache, torch.randn(n, drafter.model.fc.in_features), torch.arange(cache.length, cache.length + n))
+    for i, n in enumerate((5, 3, 1, 2)):
+        feats, pos = torch.randn(n, drafter.model.fc.in_features), torch.arange(cache.length, cache.length + n)
+        drafter.extend(cache, feats, pos, defer=i % 2 == 1)
+        drafter.extend(ref_cache, feats, pos)
         with torch.no_grad():
             got = drafter.draft(cache, emb, cache.length)
-            drafter.compile_drafting(False)
-            want = drafter.draft(cache, emb, cache.length)
-            drafter.compile_drafting()
+            want = drafter.forward_block(emb, torch.arange(cache.length, cache.length + 8),
+                                         list(zip(ref_cache.k, ref_cache.v)))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert cache.pending is None and cache.length == ref_cache.length == ref_cache.k[0].shape[1]
+        for a, b in zip(cache.k + cache.v, ref_cache.k + ref_cache.v):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_budget_one_is_plain_decoding_without_drafter_work():

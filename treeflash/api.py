@@ -106,6 +106,8 @@ class Engine:
                                                 sampling_top_k, tree_size, top_m, top_k, stage2_vocab, chat,
                                                 draft_vocab)
         self._tap_target()
+        # compile now what this generation will run (a step at the end may be the root alone)
+        self.target.warm((1, proposer.params.budget))
         with torch.no_grad():
             yield from decode(self.target, proposer, ids, int(max_new_tokens), sampling, seed, stats, stop_ids)
 

@@ -81,6 +81,7 @@ class Stats:
         }
 
 
+@torch.no_grad()  # also for callers that forget it: autograd bookkeeping slows every step
 def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int,
            sampling: SamplingParams, seed: int | None = None, stats: Stats | None = None,
            stop_ids: set[int] | None = None) -> Iterator[int]:
@@ -133,7 +134,8 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
         keep = torch.tensor(acc.path, device=dev)
         target.compact(cache, start, keep)
         if drafter is not None:
-            drafter.extend(dcache, feats[keep], start + torch.arange(len(keep), device=dev))
+            # deferred: the next block pass computes their keys/values in the same call
+            drafter.extend(dcache, feats[keep], start + torch.arange(len(keep), device=dev), defer=True)
         stats.verify_s += time.perf_counter() - t0
         stats.record(len(acc.accepted), len(tree), acc.path)
         for tok in acc.accepted:  # the root was yielded last step; accepted drafts follow

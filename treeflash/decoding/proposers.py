@@ -59,8 +59,10 @@ class Proposer:
         if depth < 1 or self.params.budget < 2:
             return root_only(root_token)
         t0 = time.perf_counter()
-        h = self.draft_states(cache, root_token, start, depth)
-        tables = self.heads(h, root_token)
+        h = self.draft_states(cache, root_token, start, depth)  # [depth+1, H]
+        # a tree of `budget` nodes is at most budget-1 deep: the heads need no deeper positions
+        # (the block pass keeps its full length, the length the drafter was trained on)
+        tables = self.heads(h[: min(depth, self.params.budget - 1) + 1], root_token)
         t1 = time.perf_counter()
         tree = self.build(root_token, tables)
         self.timings["draft"] += t1 - t0
@@ -133,7 +135,8 @@ class TreeFlash(Proposer):
         cand = top[:, :m]  # [D, m]
         cols = top[:, :n_cols] if n_cols else None  # [D, C]
         prev_col = top_col[:-1, :m].reshape(-1) if ids is not None else None  # [(D-1)*m]
-        logp = self.corrected_logp(h, root_token, cand, cols, prev_col)  # [1 + (D-1)*m, C]
+        col_idx = top_col[:, :n_cols] if n_cols and ids is not None else None  # [D, C]
+        logp = self.corrected_logp(h, root_token, cand, cols, prev_col, col_idx)  # [1 + (D-1)*m, C]
         vals, idx = logp.topk(k, -1)  # [1 + (D-1)*m, k]
         if cols is not None:  # column -> token id
             idx = torch.cat([cols[0][idx[0]][None], cols[1:].repeat_interleave(m, 0).gather(1, idx[1:])])
@@ -141,11 +144,13 @@ class TreeFlash(Proposer):
         return TransitionTables(cand, idx[0], vals[0], idx[1:].view(D - 1, m, k), vals[1:].view(D - 1, m, k))
 
     def corrected_logp(self, h: torch.Tensor, root_token: int, cand: torch.Tensor,
-                       cols: torch.Tensor | None = None, prev_col: torch.Tensor | None = None) -> torch.Tensor:
+                       cols: torch.Tensor | None = None, prev_col: torch.Tensor | None = None,
+                       col_idx: torch.Tensor | None = None) -> torch.Tensor:
         """Row 0: depth 1 given the root; row 1 + (d-1)*m + j: depth d+1 given cand[d-1, j].
 
         h [D+1, H], cand [D, m], cols [D, C] token ids per depth (None: all V), prev_col
-        [(D-1)*m] the draft-vocabulary columns of cand[:-1] (None: look the tokens up)
+        [(D-1)*m] the draft-vocabulary columns of cand[:-1] (None: look the tokens up), col_idx
+        [D, C] the draft-vocabulary columns of cols (None: read the LM head's rows of cols)
         -> log-probs [1 + (D-1)*m, C] over those columns.
         """
         D, m = cand.shape
@@ -155,13 +160,16 @@ class TreeFlash(Proposer):
         # from the drafter's per-token table where there is one
         row_pos = torch.cat([torch.zeros(1, dtype=torch.long, device=dev),
                              torch.arange(1, D, device=dev).repeat_interleave(m)])  # [1 + (D-1)*m]
-        root_part = ar.prev_part(self.embed(cand.new_tensor([root_token])))  # [1, 2A]
         table = self.drafter.prev_table(self.embed) if prev_col is not None else None
+        root_col = self.drafter.draft_column(root_token) if table is not None else None
+        root_part = (table[root_col][None] if root_col is not None
+                     else ar.prev_part(self.embed(cand.new_tensor([root_token]))))  # [1, 2A]
         cand_part = table[prev_col] if table is not None else ar.prev_part(self.embed(cand[:-1].reshape(-1)))
         x = self.drafter.corrected_rows(h[1:], row_pos, torch.cat([root_part, cand_part]))  # [1 + (D-1)*m, H]
         if cols is None:
             return self.lm_head(x).float().log_softmax(-1)
-        w = self.lm_head.weight[cols]  # [D, C, H]
+        rows = self.drafter.draft_head(self.lm_head) if col_idx is not None else None
+        w = rows[col_idx] if rows is not None else self.lm_head.weight[cols]  # [D, C, H]: same rows
         first = x[:1] @ w[0].T  # [1, C]
         rest = torch.bmm(x[1:].view(D - 1, m, x.shape[-1]), w[1:].transpose(1, 2)).view((D - 1) * m, w.shape[1])
         return torch.cat([first, rest]).float().log_softmax(-1)  # normalised over the columns

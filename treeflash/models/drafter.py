@@ -380,17 +380,32 @@ class ARApproximation(nn.Module):
 
 
 class DraftCache:
-    """Per-layer context keys/values of the drafter: grows by the accepted positions each step."""
+    """Per-layer context keys/values of the drafter: grows by the accepted positions each step.
+
+    `pending` holds context not yet turned into keys/values (features [n, taps*H], positions [n]):
+    the decode loop defers its per-step append, and the next block pass computes it in the same
+    (compiled) call."""
 
     def __init__(self, n_layers: int):
         self.k: list[torch.Tensor | None] = [None] * n_layers  # each [nkv, C, hd]
         self.v: list[torch.Tensor | None] = [None] * n_layers
-        self.length = 0
+        self.length = 0  # context positions, pending included
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def append(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # contiguous from the start: a compiled block pass then sees one layout every step
         self.k[i] = k.contiguous() if self.k[i] is None else torch.cat([self.k[i], k], 1)
         self.v[i] = v.contiguous() if self.v[i] is None else torch.cat([self.v[i], v], 1)
+
+    def defer(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.pending is not None:
+            feats, positions = torch.cat([self.pending[0], feats]), torch.cat([self.pending[1], positions])
+        self.pending = (feats, positions)
+        self.length += len(positions)
+
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        p, self.pending = self.pending, None
+        return p
 
 
 class Drafter(nn.Module):
@@ -403,8 +418,9 @@ class Drafter(nn.Module):
         # runs over those rows only. None = the whole vocabulary. Verification never uses it.
         self.draft_vocab: torch.Tensor | None = None
         self._head_rows: tuple | None = None
+        self._columns: tuple | None = None  # (draft_vocab ptr, {token: column})
         self._prev_table: tuple | None = None
-        self._compiled_block = None
+        self._compiled_block = self._compiled_extend_block = None
 
     @property
     def block_size(self) -> int:
@@ -419,6 +435,15 @@ class Drafter(nn.Module):
         if self._head_rows is None or self._head_rows[0] != key:
             self._head_rows = (key, w[self.draft_vocab.to(w.device)].contiguous())
         return self._head_rows[1]
+
+    def draft_column(self, token: int) -> int | None:
+        """The column of `token` in the draft vocabulary (None: not in it, or no draft vocabulary)."""
+        if self.draft_vocab is None:
+            return None
+        if self._columns is None or self._columns[0] != self.draft_vocab.data_ptr():
+            cols = dict((t, i) for i, t in enumerate(self.draft_vocab.tolist()))
+            self._columns = (self.draft_vocab.data_ptr(), cols)
+        return self._columns[1].get(int(token))
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Drafter":
         g = torch.Generator().manual_seed(seed)
@@ -443,11 +468,24 @@ class Drafter(nn.Module):
         cos, sin = self._rope(positions, x.dtype)
         return [layer.self_attn.kv(x, cos, sin) for layer in self.model.layers]
 
-    def extend(self, cache: DraftCache, feats: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append context features (accepted positions) to the drafter's cache."""
+    def extend(self, cache: DraftCache, feats: torch.Tensor, positions: torch.Tensor, defer: bool = False) -> None:
+        """Append context features (accepted positions) to the drafter's cache; with `defer`, the
+        next `draft` computes their keys/values (one call on the compiled path)."""
+        if defer:
+            cache.defer(feats, positions)
+            return
+        self._flush(cache)
+        self._append(cache, feats, positions)
+        cache.length += feats.shape[0]
+
+    def _append(self, cache: DraftCache, feats: torch.Tensor, positions: torch.Tensor) -> None:
         for i, (k, v) in enumerate(self.context_kv(feats, positions)):
             cache.append(i, k, v)
-        cache.length += feats.shape[0]
+
+    def _flush(self, cache: DraftCache) -> None:
+        pending = cache.take_pending()
+        if pending is not None:
+            self._append(cache, *pending)
 
     def forward_block(self, block_emb: torch.Tensor, positions: torch.Tensor,
                       kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -459,22 +497,59 @@ class Drafter(nn.Module):
         return h
 
     def draft(self, cache: DraftCache, block_emb: torch.Tensor, start: int) -> torch.Tensor:
-        """One inference pass: block [B, H] at positions start.. -> h [B, H] (pre-norm)."""
+        """One inference pass: block [B, H] at positions start.. -> h [B, H] (pre-norm); appends
+        the cache's pending context first."""
         pos = torch.arange(start, start + block_emb.shape[0], device=block_emb.device)
-        block = self._compiled_block or self.forward_block
-        return block(block_emb, pos, list(zip(cache.k, cache.v)))
+        if self._compiled_block is None:
+            self._flush(cache)
+            return self.forward_block(block_emb, pos, list(zip(cache.k, cache.v)))
+        pending = cache.take_pending()
+        if pending is None or any(k is None for k in cache.k):
+            if pending is not None:
+                self._append(cache, *pending)
+            return self._compiled_block(block_emb, pos, list(zip(cache.k, cache.v)))
+        kv, h = self._compiled_extend_block(*pending, block_emb, pos, list(zip(cache.k, cache.v)))
+        for i, (k, v) in enumerate(kv):
+            cache.k[i], cache.v[i] = k, v
+        return h
+
+    def extend_block(self, feats: torch.Tensor, fpos: torch.Tensor, block_emb: torch.Tensor, positions: torch.Tensor,
+                     kv: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Context features feats [n, taps*H] at fpos [n] appended to kv (per layer [nkv, C, hd]),
+        then the block pass: -> (the extended kv per layer [nkv, C+n, hd], h [Q, H])."""
+        new = self.context_kv(feats, fpos)
+        kv = [(torch.cat([k, nk], 1), torch.cat([v, nv], 1)) for (k, v), (nk, nv) in zip(kv, new)]
+        return kv, self.forward_block(block_emb, positions, kv)
 
     def compile_drafting(self, on: bool = True) -> None:
         """torch.compile the inference block pass (`draft`), with the context length dynamic so
         it compiles once (the compiled target backend turns this on). Weights are frozen into
         the compiled graph: recompile (off, then on) after changing them."""
         if not on:
-            self._compiled_block = None
+            self._compiled_block = self._compiled_extend_block = None
         elif self._compiled_block is None:
             import torch._inductor.config as inductor_config
 
             inductor_config.freezing = True
             self._compiled_block = torch.compile(self.forward_block, dynamic=True)
+            # the decode loop's step: last step's accepted context + this block, one call
+            self._compiled_extend_block = torch.compile(self.extend_block, dynamic=True)
+            self._warm_compiled()
+
+    @torch.no_grad()
+    def _warm_compiled(self, context: int = 4) -> None:
+        """Compile every graph the decode loop uses now, not inside a timed generation: the block
+        pass alone, and with 1 and with >= 2 appended positions (sizes 0/1 specialise)."""
+        p = next(self.parameters())
+        c = self.config
+        kv = [tuple(torch.zeros(c.num_key_value_heads, context, c.head_dim, dtype=p.dtype, device=p.device)
+                    for _ in range(2)) for _ in self.model.layers]  # distinct k, v: guards check aliasing
+        block = torch.zeros(c.block_size, c.hidden_size, dtype=p.dtype, device=p.device)
+        pos = torch.arange(context, context + c.block_size, device=p.device)
+        self._compiled_block(block, pos, kv)
+        for n in (1, 2):
+            feats = torch.zeros(n, self.model.fc.in_features, dtype=p.dtype, device=p.device)
+            self._compiled_extend_block(feats, torch.arange(n, device=p.device), block, pos, kv)
 
     PREV_TABLE_MAX_BYTES = 128 << 20
 

@@ -11,6 +11,11 @@ Two modes:
   tree sizes; attention reads the whole cache (capacity fixed per cache, a multiple of 512) under
   a bool mask, so each (bucket, capacity) pair compiles once and is cached on disk by inductor.
   Prefill (and any flat sequence of more than one token) runs eagerly.
+
+Long flat sequences (a prefill of >= `UPCAST_MIN_ROWS` tokens) of a bfloat16 model on a CPU
+without AMX compute in float32 from the bf16 weights (upcast per matmul) and store bf16 keys and
+values: there bf16 matmuls with many rows run at ~160 GF/s against ~290 GF/s in float32 (measured,
+docs/performance.md). Every method shares this prefill, so their outputs stay comparable.
 """
 from __future__ import annotations
 
@@ -23,6 +28,26 @@ from ..errors import TreeflashError
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BUCKETS = (1, 4, 8, 16, 32, 64)  # compiled tree sizes; a tree is padded to the next one
 CAPACITY_STEP = 512
+UPCAST_MIN_ROWS = 64  # flat sequences at least this long compute in float32 (see above)
+
+
+def upcast_pays(dtype: torch.dtype, device: torch.device) -> bool:
+    """bf16 weights on a CPU without AMX: long matmuls are faster upcast to float32."""
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" not in f.read()
+    except OSError:
+        return False
+
+
+def linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """mod(x); a plain nn.Linear with weights of another dtype computes in x's dtype."""
+    if type(mod) is nn.Linear and mod.weight.dtype != x.dtype:
+        b = None if mod.bias is None else mod.bias.to(x.dtype)
+        return F.linear(x, mod.weight.to(x.dtype), b)
+    return mod(x)
 
 
 def supported(config) -> bool:
@@ -124,7 +149,12 @@ class FastPath:
         self.qk_norm = hasattr(attn, "q_norm")
         self.compile = compile
         self._compiled = {}  # tap ids -> compiled step
+        self._warmed: dict[tuple, set[int]] = {}  # tap ids -> buckets compiled by `warm`
         self.fused = nn.ModuleList(FusedLayer(layer) for layer in self.decoder.layers)
+        p = next(model.parameters())
+        # upcast long prefills (not with quantized or unfused layers: those keep their own kernels)
+        self.upcast = upcast_pays(p.dtype, p.device) and all(f.qkv is not None and f.gate_up is not None
+                                                             for f in self.fused)
 
     # ---- cache ----
     def new_cache(self, need: int, max_length: int) -> StaticKV:
@@ -147,9 +177,9 @@ class FastPath:
             fl = self.fused[i]
             h = layer.input_layernorm(x)
             if fl.qkv is not None:
-                q, k, v = fl.qkv(h).split(fl.sizes, -1)
+                q, k, v = linear(fl.qkv, h).split(fl.sizes, -1)
             else:
-                q, k, v = a.q_proj(h), a.k_proj(h), a.v_proj(h)
+                q, k, v = linear(a.q_proj, h), linear(a.k_proj, h), linear(a.v_proj, h)
             q = q.view(1, -1, a.config.num_attention_heads, self.head_dim)  # [1, N, Hq, D]
             k = k.view(1, -1, self.n_kv, self.head_dim)
             v = v.view(1, -1, self.n_kv, self.head_dim).transpose(1, 2)  # [1, Hkv, N, D]
@@ -158,18 +188,18 @@ class FastPath:
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            k_cache[i].index_copy_(2, slots, k)  # [1, Hkv, S, D]
-            v_cache[i].index_copy_(2, slots, v)
+            k_cache[i].index_copy_(2, slots, k.to(k_cache[i].dtype))  # [1, Hkv, S, D]
+            v_cache[i].index_copy_(2, slots, v.to(v_cache[i].dtype))
             keys, values = k_cache[i], v_cache[i]  # [1, Hkv, S, D]
             if n_keys is not None:
-                keys, values = keys[:, :, :n_keys], values[:, :, :n_keys]
+                keys, values = keys[:, :, :n_keys].to(q.dtype), values[:, :, :n_keys].to(q.dtype)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scaling,
                                                enable_gqa=True)  # [1, Hq, N, D]
-            x = x + a.o_proj(o.transpose(1, 2).reshape(1, o.shape[2], -1))
+            x = x + linear(a.o_proj, o.transpose(1, 2).reshape(1, o.shape[2], -1))
             h = layer.post_attention_layernorm(x)
             if fl.gate_up is not None:
-                g, u = fl.gate_up(h).chunk(2, -1)
-                x = x + layer.mlp.down_proj(layer.mlp.act_fn(g) * u)
+                g, u = linear(fl.gate_up, h).chunk(2, -1)
+                x = x + linear(layer.mlp.down_proj, layer.mlp.act_fn(g) * u)
             else:
                 x = x + layer.mlp(h)
             if i in tap_ids:
@@ -210,8 +240,30 @@ class FastPath:
         mask = torch.ones(n, end, dtype=torch.bool, device=dev)  # [N, start+N]
         mask[:, start:] = causal(n, dev) if tree_mask is None else tree_mask
         slots = torch.arange(start, end, device=dev)
-        h, tap_list = self._layers(self.decoder.embed_tokens(ids), positions, slots, mask, cache.k, cache.v, end, taps)
-        return h, (torch.cat(tap_list, -1) if tap_list else None), None
+        x = self.decoder.embed_tokens(ids)  # [N, H]
+        dtype = x.dtype
+        if self.upcast and flat_prefill and n >= UPCAST_MIN_ROWS:
+            x = x.float()
+        h, tap_list = self._layers(x, positions, slots, mask, cache.k, cache.v, end, taps)
+        return h.to(dtype), (torch.cat(tap_list, -1).to(dtype) if tap_list else None), None
+
+    @torch.no_grad()  # as `forward` runs: grad mode is part of what a compiled graph checks
+    def warm(self, sizes, tap_ids: list[int]) -> None:
+        """Compile (or load from inductor's disk cache) the steps for trees of these sizes now,
+        on a scratch cache of the usual capacity, rather than inside a timed generation."""
+        if not self.compile:
+            return
+        taps = tuple(tap_ids)
+        todo = {b for b in (next((b for b in BUCKETS if b >= n), None) for n in sizes) if b is not None}
+        todo -= self._warmed.get(taps, set())
+        if not todo:
+            return
+        cache = self.new_cache(CAPACITY_STEP, CAPACITY_STEP)
+        dev = cache.k[0].device
+        for b in sorted(todo):
+            self._run_compiled(cache, torch.zeros(b, dtype=torch.long, device=dev), torch.arange(b, device=dev),
+                               0, None, taps, b)
+        self._warmed.setdefault(taps, set()).update(todo)
 
     def _run_compiled(self, cache, ids, positions, start, tree_mask, taps, bucket):
         n = len(ids)
