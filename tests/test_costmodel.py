@@ -38,6 +38,18 @@ def test_best_budget_trades_acceptance_against_cost():
     assert costmodel.best_budget(with_head, [], 0.0) == (1, pytest.approx(1 / 1.5))
 
 
+def test_drafting_cost_grows_with_the_depth_the_budget_reaches():
+    cost = costmodel.draft_cost(0.01, 0.03, max_depth=7)  # heads over 1 .. 7 positions
+    assert cost(2) == pytest.approx(0.01) and cost(8) == pytest.approx(0.03) and cost(64) == pytest.approx(0.03)
+    assert cost(5) == pytest.approx(0.01 + 0.02 * 3 / 6)
+    # a cheap small-budget draft makes a small tree pay where the flat (max-budget) cost did not
+    accept = [0.6, 0.2, 0.1] + [0.01] * 61
+    costs = {1: 1.0, 4: 1.25, 8: 1.6, 64: 10.0}
+    assert costmodel.best_budget(costs, accept, cost(64) * 30)[0] == 1
+    b, _ = costmodel.best_budget(costs, accept, lambda b: cost(b) * 30)
+    assert b in (2, 3, 4)
+
+
 def test_node_hits_follow_the_accepted_paths():
     target = tiny_target("llama", logit_scale=3.0)
     drafter = tiny_drafter(target)

@@ -120,8 +120,8 @@ class Engine:
                        stage2_vocab: int | None = None, max_budget: int = 64, tokens: int = 48) -> AutoChoice:
         """The budget maximising expected tokens/s on this machine (`costmodel.best_budget`): the
         target's verify cost per tree size (measured once, cached on disk), and this drafter's
-        acceptance of each best-first node, measured by a short calibration run at `max_budget`.
-        Memoised per engine and method."""
+        acceptance of each best-first node, measured by a short calibration run at `max_budget`, and
+        its drafting cost, measured at `max_budget` and at 2. Memoised per engine and method."""
         from .decoding import costmodel
 
         key = (method, top_m, top_k, stage2_vocab, self.target.backend, torch.get_num_threads())
@@ -137,16 +137,22 @@ class Engine:
             for _ in self.tokens(CALIBRATION_PROMPTS[0], method=method, max_new_tokens=24, tree_size=max_budget,
                                  top_m=top_m, top_k=top_k, stage2_vocab=stage2_vocab, stop_ids=set()):
                 pass
-            stats = Stats()
+            stats, small = Stats(), Stats()
             for prompt in CALIBRATION_PROMPTS:
-                for _ in self.tokens(prompt, method=method, max_new_tokens=tokens, tree_size=max_budget,
-                                     top_m=top_m, top_k=top_k, stage2_vocab=stage2_vocab, stats=stats,
-                                     stop_ids=set()):
-                    pass
-            draft_s = (stats.draft_s + stats.tree_s) / max(1, stats.steps)
+                for budget, st in ((max_budget, stats), (2, small)):
+                    for _ in self.tokens(prompt, method=method, max_new_tokens=tokens, tree_size=budget,
+                                         top_m=top_m, top_k=top_k, stage2_vocab=stage2_vocab, stats=st,
+                                         stop_ids=set()):
+                        pass
+            # drafting cost per step at budget 2 and at max_budget (the heads run as deep as the
+            # budget reaches, so small budgets draft for less), linear in between by head depth
+            draft = costmodel.draft_cost(
+                (small.draft_s + small.tree_s) / max(1, small.steps), (stats.draft_s + stats.tree_s) / max(1, stats.steps),
+                self.drafter.block_size - 1)
             node_accept = stats.node_acceptance()
-            budget, rate = costmodel.best_budget(costs, node_accept, draft_s, range(2, max_budget + 1))
-            choice = AutoChoice(method, budget, rate, costmodel.expected_tau(node_accept, budget), draft_s, costs)
+            budget, rate = costmodel.best_budget(costs, node_accept, draft, range(2, max_budget + 1))
+            choice = AutoChoice(method, budget, rate, costmodel.expected_tau(node_accept, budget),
+                                draft(budget) if budget > 1 else 0.0, costs)
         self.auto[key] = choice
         return choice
 

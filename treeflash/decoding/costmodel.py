@@ -123,14 +123,26 @@ def expected_tau(node_accept: list[float], budget: int) -> float:
     return 1.0 + sum(node_accept[:max(0, budget - 1)])
 
 
-def best_budget(costs: dict[int, float], node_accept: list[float], draft_s: float,
+def draft_cost(at_two: float, at_max: float, max_depth: int):
+    """Drafting seconds per step as a function of the budget b: the block pass is fixed and the
+    heads run over min(b - 1, max_depth) positions, so linear in that depth between the cost
+    measured at budget 2 (depth 1) and at a budget reaching max_depth."""
+    def cost(b: int) -> float:
+        d = min(b - 1, max_depth)
+        return at_two + (at_max - at_two) * (d - 1) / max(1, max_depth - 1)
+    return cost
+
+
+def best_budget(costs: dict[int, float], node_accept: list[float], draft_s,
                 candidates=range(2, 65)) -> tuple[int, float]:
-    """(budget, expected tokens/s) maximising tau(b) / (draft_s + forward(b) + tau(b) * head)."""
+    """(budget, expected tokens/s) maximising tau(b) / (draft(b) + forward(b) + tau(b) * head);
+    draft_s: seconds per step, or a function of the budget (`draft_cost`)."""
     head = costs.get(0, 0.0)
+    draft = draft_s if callable(draft_s) else (lambda _b: draft_s)
     best = (1, 1.0 / (interpolate(costs, 1) + head))  # plain decoding: no draft, one head row
     for b in candidates:
         tau = expected_tau(node_accept, b)
-        rate = tau / (draft_s + interpolate(costs, b) + tau * head)
+        rate = tau / (draft(b) + interpolate(costs, b) + tau * head)
         if rate > best[1]:
             best = (b, rate)
     return best
