@@ -190,7 +190,7 @@ def _load_target(name: str, dtype, device: str = "cpu", quantize: str = "none") 
 
 
 def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = None,
-         dtype: str = "float32", seed: int = 0, quiet: bool = False, device: str | None = None,
+         dtype: str = "auto", seed: int = 0, quiet: bool = False, device: str | None = None,
          backend: str = "auto", quantize: str = "none") -> Engine:
     """Load a target (built-in name, HF directory or .gguf) and a drafter.
 

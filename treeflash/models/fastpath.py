@@ -84,8 +84,11 @@ class StaticKV:
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Keep slots [:start] and the tree slots start+keep [K] (in order) at start..start+K-1."""
-        idx = start + keep
         n = len(keep)
+        if keep.tolist() == list(range(n)):  # the path is already in place (always, for plain decoding)
+            self.length = start + n
+            return
+        idx = start + keep
         for t in (*self.k, *self.v):
             t[:, :, start:start + n] = t[:, :, idx]  # the gather copies first: no aliasing
         self.length = start + n

@@ -208,6 +208,11 @@ class Target:
         if isinstance(cache, StaticKV):
             cache.compact(start, keep)
             return
+        if keep.tolist() == list(range(len(keep))):  # the path is in place: drop the rest
+            drop = cache.get_seq_length() - start - len(keep)
+            if drop > 0:
+                cache.crop(-drop)  # transformers 5: a negative count of tokens to remove
+            return
         for layer in cache.layers:
             idx = start + keep
             layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, idx]], 2)
