@@ -19,6 +19,8 @@ docs/performance.md). Every method shares this prefill, so their outputs stay co
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,15 +33,19 @@ CAPACITY_STEP = 512
 UPCAST_MIN_ROWS = 64  # flat sequences at least this long compute in float32 (see above)
 
 
-def upcast_pays(dtype: torch.dtype, device: torch.device) -> bool:
-    """bf16 weights on a CPU without AMX: long matmuls are faster upcast to float32."""
-    if dtype != torch.bfloat16 or device.type != "cpu":
-        return False
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where unreadable)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return "amx_bf16" not in f.read()
+            return frozenset(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
     except OSError:
-        return False
+        return frozenset()
+
+
+def upcast_pays(dtype: torch.dtype, device: torch.device) -> bool:
+    """bf16 weights on a CPU without AMX: long matmuls are faster upcast to float32."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and bool(cpu_flags()) and "amx_bf16" not in cpu_flags()
 
 
 def linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:

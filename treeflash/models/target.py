@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ..errors import TreeflashError
 from . import registry
-from .fastpath import FastPath, StaticKV, supported
+from .fastpath import FastPath, StaticKV, cpu_flags, supported
 
 BACKENDS = ("auto", "hf", "static", "compiled")
 
@@ -26,12 +26,7 @@ def bf16_is_fast() -> bool:
     """A GPU, or a CPU with native bf16 arithmetic (AVX512-BF16 / AMX)."""
     if torch.cuda.is_available():
         return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
