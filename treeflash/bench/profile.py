@@ -3,7 +3,8 @@
 Wall-clock timers wrap the parts of a step (no sampling profiler needed, no change to the decode
 loop): target forward (verify, without its LM head), KV compaction, drafter layers, drafter heads
 (LM head over the marginals, TreeFlash stage 2), tree building, the target's LM head over the
-visited nodes + acceptance (the walk computes those rows lazily), drafter context update. "other" is the
+visited nodes + acceptance (the walk computes those rows lazily), drafter context update (the decode
+loop defers it: its keys/values are computed inside the next "drafter layers" call). "other" is the
 step time not inside any of them (Python glue in the loop, mask construction, stats). Prefill is
 excluded. Methods run interleaved, prompt by prompt.
 """
