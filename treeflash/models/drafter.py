@@ -500,15 +500,11 @@ class Drafter(nn.Module):
         """One inference pass: block [B, H] at positions start.. -> h [B, H] (pre-norm); appends
         the cache's pending context first."""
         pos = torch.arange(start, start + block_emb.shape[0], device=block_emb.device)
-        if self._compiled_block is None:
+        if self._compiled_block is None or cache.pending is None or cache.k[0] is None:
             self._flush(cache)
-            return self.forward_block(block_emb, pos, list(zip(cache.k, cache.v)))
-        pending = cache.take_pending()
-        if pending is None or any(k is None for k in cache.k):
-            if pending is not None:
-                self._append(cache, *pending)
-            return self._compiled_block(block_emb, pos, list(zip(cache.k, cache.v)))
-        kv, h = self._compiled_extend_block(*pending, block_emb, pos, list(zip(cache.k, cache.v)))
+            block = self._compiled_block or self.forward_block
+            return block(block_emb, pos, list(zip(cache.k, cache.v)))
+        kv, h = self._compiled_extend_block(*cache.take_pending(), block_emb, pos, list(zip(cache.k, cache.v)))
         for i, (k, v) in enumerate(kv):
             cache.k[i], cache.v[i] = k, v
         return h

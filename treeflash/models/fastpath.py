@@ -56,6 +56,16 @@ def linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return mod(x)
 
 
+def bucket_for(n: int) -> int | None:
+    """The compiled tree size that holds n nodes (None: larger than every bucket)."""
+    return next((b for b in BUCKETS if b >= n), None)
+
+
+def path_in_place(keep: torch.Tensor) -> bool:
+    """Whether the accepted tree nodes `keep` [K] already sit in the first K tree slots."""
+    return keep.tolist() == list(range(len(keep)))
+
+
 def supported(config) -> bool:
     """Llama-family decoder with full attention in every layer (no sliding window)."""
     layer_types = getattr(config, "layer_types", None) or []
@@ -91,7 +101,7 @@ class StaticKV:
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Keep slots [:start] and the tree slots start+keep [K] (in order) at start..start+K-1."""
         n = len(keep)
-        if keep.tolist() == list(range(n)):  # the path is already in place (always, for plain decoding)
+        if path_in_place(keep):  # always, for plain decoding
             self.length = start + n
             return
         idx = start + keep
@@ -241,7 +251,7 @@ class FastPath:
         if end > cache.capacity:
             raise TreeflashError(f"KV cache of {cache.capacity} slots is full (needed {end})")
         dev = ids.device
-        bucket = next((b for b in BUCKETS if b >= n), None)
+        bucket = bucket_for(n)
         flat_prefill = tree_mask is None and n > 1
         if self.compile and not flat_prefill and bucket is not None and start + bucket <= cache.capacity:
             logits, feats = self._run_compiled(cache, ids, positions, start, tree_mask, taps, bucket)
@@ -263,7 +273,7 @@ class FastPath:
         if not self.compile:
             return
         taps = tuple(tap_ids)
-        todo = {b for b in (next((b for b in BUCKETS if b >= n), None) for n in sizes) if b is not None}
+        todo = {b for b in map(bucket_for, sizes) if b is not None}
         todo -= self._warmed.get(taps, set())
         if not todo:
             return

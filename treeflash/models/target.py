@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from ..errors import TreeflashError
 from . import registry
-from .fastpath import FastPath, StaticKV, cpu_flags, supported
+from .fastpath import FastPath, StaticKV, cpu_flags, path_in_place, supported
 
 BACKENDS = ("auto", "hf", "static", "compiled")
 
@@ -203,7 +203,7 @@ class Target:
         if isinstance(cache, StaticKV):
             cache.compact(start, keep)
             return
-        if keep.tolist() == list(range(len(keep))):  # the path is in place: drop the rest
+        if path_in_place(keep):  # drop the rest
             drop = cache.get_seq_length() - start - len(keep)
             if drop > 0:
                 cache.crop(-drop)  # transformers 5: a negative count of tokens to remove
