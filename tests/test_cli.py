@@ -105,3 +105,18 @@ def test_subprocess_exit_code_and_no_traceback():
                         "--drafter", "random"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "temperature must be >= 0" in r.stderr
+
+
+def test_python_dash_m_and_the_console_script_both_run():
+    """`python -m treeflash` and the installed `treeflash` script (next to this interpreter, as in .venv)."""
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("treeflash")
+    for cmd in ([sys.executable, "-m", "treeflash", "--help"], [str(script), "--help"]):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("usage: treeflash") and "generate" in r.stdout
+    for name in ("lookup", "treeflash+lookup"):  # the new methods are offered
+        r = subprocess.run([sys.executable, "-m", "treeflash", "generate", "--help"], capture_output=True, text=True,
+                           timeout=120)
+        assert name in r.stdout

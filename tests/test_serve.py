@@ -110,7 +110,9 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dirs, tmp_path_factory):
-    srv = Server(*model_dirs, log=tmp_path_factory.mktemp("serve-log") / "server.log")
+    logs = tmp_path_factory.mktemp("serve-log")
+    srv = Server(*model_dirs, log=logs / "server.log", extra=["--hold-file", str(logs / "hold")])
+    srv.hold = logs / "hold"  # while it exists, a generation that has sent text pauses after each token
     try:
         srv.wait_ready()
         yield srv
@@ -286,28 +288,42 @@ def test_concurrent_streams_get_their_own_answers(server, engine):
     assert len(set(want.values())) == len(PROMPTS), "prompts should give distinct answers"
 
 
+def wait_until(cond, what: str, timeout: float = 120) -> None:
+    """Poll `cond()` until it holds (a bound against a hang, not a timing assumption)."""
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.02)
+
+
+def load(server) -> dict:
+    return httpx.get(server.url + "/health", timeout=10).json()
+
+
 def test_queue_is_first_in_first_out(server):
-    done: list[tuple[str, float]] = []
+    """A is held (--hold-file) after its first text until B and C are both queued behind it."""
+    done: list[str] = []
 
     def ask(name: str, n: int) -> None:
         r = post(server, "/v1/chat/completions", {"messages": user(f"request {name}"), "max_tokens": n})
-        done.append((name if r.status_code == 200 else f"{name}:{r.status_code}", time.time()))
+        done.append(name if r.status_code == 200 else f"{name}:{r.status_code}")
 
-    first = threading.Thread(target=ask, args=("A", MAX_TOKENS_LIMIT))
-    first.start()
-    deadline = time.time() + 60
-    while httpx.get(server.url + "/health", timeout=10).json()["running"] == 0 and time.time() < deadline:
-        time.sleep(0.02)
-    later = []
-    for name in "BC":  # queued behind A (64 tokens: ~0.4 s here), in this order
-        later.append(threading.Thread(target=ask, args=(name, 2)))
-        later[-1].start()
-        time.sleep(0.05)
-    all_queued = time.time()
-    for t in [first, *later]:
+    server.hold.touch()
+    threads = []
+    try:
+        threads.append(threading.Thread(target=ask, args=("A", MAX_TOKENS_LIMIT)))
+        threads[-1].start()
+        wait_until(lambda: load(server)["running"] == 1, "A to start")
+        for n_waiting, name in enumerate("BC", 1):
+            threads.append(threading.Thread(target=ask, args=(name, 2)))
+            threads[-1].start()
+            wait_until(lambda: load(server)["waiting"] == n_waiting, f"{name} to be queued")
+        assert load(server)["running"] == 1 and done == [], "A finished while held"
+    finally:
+        server.hold.unlink(missing_ok=True)
+    for t in threads:
         t.join(timeout=300)
-    assert [name for name, _ in done] == ["A", "B", "C"]
-    assert done[0][1] > all_queued, "A finished before B and C were queued: nothing was tested"
+    assert done == ["A", "B", "C"]
 
 
 def _wait_for_abort(server, before: float, timeout: float = 30) -> float:
@@ -325,12 +341,16 @@ def test_client_abort_mid_stream_stops_generation(server, client):
     tokens_before = metric(server, "vllm:generation_tokens_total")
     body = {"model": "tiny", "messages": user(PROMPTS[0]), "max_tokens": MAX_TOKENS_LIMIT, "stream": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        got = [line for line in (next(lines) for _ in range(6)) if line.startswith("data: ")]
-        assert got  # some chunks arrived; now hang up mid-stream
-    assert _wait_for_abort(server, aborts) == aborts + 1, "the aborted generation was not stopped"
+    server.hold.touch()  # the generation pauses after its first text: the client leaves mid-stream
+    try:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers,
+                          timeout=60) as r:
+            assert r.status_code == 200
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["delta"]
+        assert _wait_for_abort(server, aborts) == aborts + 1, "the aborted generation was not stopped"
+    finally:
+        server.hold.unlink(missing_ok=True)
     assert metric(server, "vllm:generation_tokens_total") - tokens_before < MAX_TOKENS_LIMIT
     r = client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=3, temperature=0)
     assert r.choices[0].message.content is not None
@@ -338,22 +358,17 @@ def test_client_abort_mid_stream_stops_generation(server, client):
 
 
 def test_client_timeout_on_non_streamed_request_frees_worker(server, client):
-    """The timed-out request ends (as an abort, or as a success when the tiny model is faster than
-    the disconnect check) and the worker serves the next request. Stopping a generation on
-    disconnect is tested with streams above."""
-    def ended():
-        return (metric(server, "vllm:request_success_total", finished_reason="abort")
-                + metric(server, "vllm:request_success_total", finished_reason="length")
-                + metric(server, "vllm:request_success_total", finished_reason="stop"))
-
-    before = ended()
+    """The request is held (--hold-file) until its client times out: the generation ends as an
+    abort and the worker serves the next request."""
+    aborts = metric(server, "vllm:request_success_total", finished_reason="abort")
     body = {"model": "tiny", "messages": user(PROMPTS[1]), "max_tokens": MAX_TOKENS_LIMIT}
-    with pytest.raises(httpx.TimeoutException):
-        post(server, "/v1/chat/completions", body, timeout=0.05)
-    deadline = time.time() + 30
-    while ended() < before + 1 and time.time() < deadline:
-        time.sleep(0.2)
-    assert ended() == before + 1
+    server.hold.touch()
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            post(server, "/v1/chat/completions", body, timeout=0.5)
+        assert _wait_for_abort(server, aborts) == aborts + 1, "the timed-out generation was not stopped"
+    finally:
+        server.hold.unlink(missing_ok=True)
     r = client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=3)
     assert r.choices[0].message.content is not None
 

@@ -1,6 +1,7 @@
 """`treeflash serve` (OpenAI-compatible HTTP server) and `treeflash chat` (terminal chat)."""
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import socket
 import sys
@@ -22,6 +23,7 @@ def register(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longest prompt in tokens (default: the context window)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    p.add_argument("--hold-file", default=None, help=argparse.SUPPRESS)  # test hook: see ServeConfig.hold_file
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
 
@@ -76,7 +78,7 @@ def _config(args, model_name: str):
                        top_k=args.top_k, temperature=args.temperature, top_p=args.top_p,
                        sampling_top_k=args.sampling_top_k, default_max_tokens=args.max_new_tokens,
                        max_tokens_limit=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
-                       api_key=args.api_key, max_queue=args.max_queue)
+                       api_key=args.api_key, max_queue=args.max_queue, hold_file=args.hold_file)
 
 
 def _warm_up(engine, config) -> None:

@@ -8,6 +8,7 @@ A job whose client went away is marked cancelled and the worker stops it before 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import sys
 import threading
@@ -38,6 +39,10 @@ class ServeConfig:
     max_prompt_tokens: int | None = None  # None -> the context window
     api_key: str | None = None
     max_queue: int = 64             # more waiting requests -> 429
+    # Test hook (`serve --hold-file`, hidden): once a generation has sent text, it pauses after each
+    # token while this file exists, until its client leaves. Tests drive queueing and disconnects
+    # with it deterministically, whatever the machine's speed.
+    hold_file: str | None = None
 
 
 @dataclass
@@ -208,6 +213,10 @@ class Worker:
                            code="context_length_exceeded")
         return ids
 
+    def _hold(self, job: Job) -> None:
+        while os.path.exists(self.config.hold_file) and not job.cancelled.is_set():
+            time.sleep(0.01)
+
     def _generate(self, job: Job, ids: list[int], stats: Stats) -> tuple[str, int]:
         """Stream one generation into the job; returns (finish_reason, tokens generated)."""
         cfg, target = self.config, self.engine.target
@@ -230,6 +239,8 @@ class Worker:
             if text.stopped:
                 finish = "stop"
                 break
+            if cfg.hold_file and text.sent:
+                self._hold(job)
         tokens.close()  # stop decoding now (a break leaves the generator suspended)
         tail = text.flush()
         if tail:
