@@ -15,6 +15,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCa
 
 from treeflash.api import random_drafter
 from treeflash.decoding.generate import Stats, decode
+from treeflash.decoding.lookup import LookupParams
 from treeflash.decoding.proposers import Chain, Marginal, TreeFlash, TreeParams, Vanilla
 from treeflash.decoding.sampling import SamplingParams
 from treeflash.models.target import Target
@@ -71,10 +72,10 @@ class _Oracle:
     hit_rate = 0.8
     bonus = 4.0
 
-    def propose(self, cache, root_token, start, max_depth):
+    def propose(self, cache, root_token, start, max_depth, history=None):
         self._start = start
         self._rng = random.Random(start * 7919 + len(self.reference))
-        return super().propose(cache, root_token, start, max_depth)
+        return super().propose(cache, root_token, start, max_depth, history)
 
     def _ref(self, depth: int) -> int | None:
         i = self._start + depth
@@ -128,7 +129,10 @@ def vanilla(target, prompt, n, sampling=SamplingParams(), seed=None):
 
 
 def oracle(method, target, drafter, reference, budget, top_m=4, top_k=4):
-    p = ORACLES[method](drafter, target.embed, target.lm_head, TreeParams(budget, top_m, top_k))
+    """A drafter method biased towards `reference`; `NAME+lookup` adds (unbiased) lookup branches."""
+    base, _, plus = method.partition("+")
+    p = ORACLES[base](drafter, target.embed, target.lm_head, TreeParams(budget, top_m, top_k),
+                      LookupParams() if plus else None)
     p.reference = reference
     return p
 

@@ -156,3 +156,19 @@ def test_budget_one_is_plain_decoding_without_drafter_work():
     stats = Stats()
     assert run(target, p, PROMPT, 12, stats=stats) == vanilla(target, PROMPT, 12)
     assert not calls and stats.steps == 11 and stats.mean_acceptance_length == 1.0
+
+
+def test_stats_are_recorded_when_the_generation_is_closed_early():
+    """A consumer that stops iterating (a stop string, a disconnect) still gets the timings."""
+    from treeflash.decoding.generate import decode
+    from treeflash.decoding.sampling import SamplingParams
+
+    target = tiny_target("llama", logit_scale=3.0)
+    drafter = tiny_drafter(target)
+    stats = Stats()
+    p = make_proposer("treeflash", drafter, target.embed, target.lm_head, TreeParams(8, 3, 3))
+    gen = decode(target, p, PROMPT, N, SamplingParams(), stats=stats, stop_ids=set())
+    got = [next(gen) for _ in range(3)]
+    gen.close()
+    assert len(got) == stats.new_tokens == 3 and stats.steps >= 1
+    assert stats.total_s > 0 and stats.draft_s > 0  # were 0: the loop's last lines never ran

@@ -106,8 +106,9 @@ class Engine:
                                                 sampling_top_k, tree_size, top_m, top_k, stage2_vocab, chat,
                                                 draft_vocab)
         self._tap_target()
-        # compile now what this generation will run (a step at the end may be the root alone)
-        self.target.warm((1, proposer.params.budget))
+        # compile now what this generation will run: a tree of any size up to the budget (the root
+        # alone at the end; lookup trees are as large as the text's repeats)
+        self.target.warm(range(1, proposer.params.budget + 1))
         with torch.no_grad():
             yield from decode(self.target, proposer, ids, int(max_new_tokens), sampling, seed, stats, stop_ids)
 
@@ -127,7 +128,7 @@ class Engine:
         key = (method, top_m, top_k, stage2_vocab, self.target.backend, torch.get_num_threads())
         if key in self.auto:
             return self.auto[key]
-        if method == "vanilla" or self.drafter is None:
+        if method == "vanilla" or (self.drafter is None and method != "lookup"):
             choice = AutoChoice(method, 1, 0.0, 1.0, 0.0, {})
         else:
             self._tap_target()  # the cost of a forward includes this drafter's taps
@@ -148,9 +149,11 @@ class Engine:
             # budget reaches, so small budgets draft for less), linear in between by head depth
             draft = costmodel.draft_cost(
                 (small.draft_s + small.tree_s) / max(1, small.steps), (stats.draft_s + stats.tree_s) / max(1, stats.steps),
-                self.drafter.block_size - 1)
+                self.drafter.block_size - 1 if self.drafter is not None else 1)
             node_accept = stats.node_acceptance()
-            budget, rate = costmodel.best_budget(costs, node_accept, draft, range(2, max_budget + 1))
+            # lookup trees are smaller than the budget where the text does not repeat
+            sizes = stats.tree_sizes if "lookup" in method else None
+            budget, rate = costmodel.best_budget(costs, node_accept, draft, range(2, max_budget + 1), sizes)
             choice = AutoChoice(method, budget, rate, costmodel.expected_tau(node_accept, budget),
                                 draft(budget) if budget > 1 else 0.0, costs)
         self.auto[key] = choice

@@ -2,7 +2,8 @@
 
 Wall-clock timers wrap the parts of a step (no sampling profiler needed, no change to the decode
 loop): target forward (verify, without its LM head), KV compaction, drafter layers, drafter heads
-(LM head over the marginals, TreeFlash stage 2), tree building, the target's LM head over the
+(LM head over the marginals, TreeFlash stage 2), lookup (the n-gram index update and the
+continuation trie of +lookup methods), tree building (with lookup branches merged in), the target's LM head over the
 visited nodes + acceptance (the walk computes those rows lazily), drafter context update (the decode
 loop defers it: its keys/values are computed inside the next "drafter layers" call). "other" is the
 step time not inside any of them (Python glue in the loop, mask construction, stats). Prefill is
@@ -17,8 +18,8 @@ import sys
 import time
 from collections import defaultdict
 
-PARTS = ("target forward", "KV compaction", "drafter layers", "drafter heads", "tree build", "LM head + acceptance",
-         "drafter context")
+PARTS = ("target forward", "KV compaction", "drafter layers", "drafter heads", "lookup", "tree build",
+         "LM head + acceptance", "drafter context")
 
 
 class Timers:
@@ -53,6 +54,7 @@ def instrumented(engine, proposer, timers: Timers):
         timers.wrap(d, "draft", "drafter layers", patches)
         timers.wrap(d, "extend", "drafter context", patches)
     timers.wrap(proposer, "heads", "drafter heads", patches)
+    timers.wrap(proposer, "lookup_branches", "lookup", patches)  # +lookup methods: index update + trie
     timers.wrap(proposer, "build", "tree build", patches)
     timers.wrap(generate, "accept", "LM head + acceptance", patches)
     try:

@@ -21,6 +21,7 @@ from ..decoding.generate import Stats
 from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
 from .datasets import DATASETS, Sample, sample_prompts
+from ..decoding.proposers import DRAFTER_METHODS
 from .methods import ALL_METHODS, TREE_METHODS, DecodeParams, Generation, Method, build_methods
 
 QUICK = dict(datasets=["humaneval", "gsm8k", "mt-bench"], num_prompts=2, max_new_tokens=32,
@@ -90,7 +91,7 @@ class BenchConfig:
 
     @property
     def needs_drafter(self) -> bool:
-        return any(m in TREE_METHODS for m in self.methods)
+        return any(m.partition("+")[0] in DRAFTER_METHODS for m in self.methods)  # `lookup` needs none
 
 
 

@@ -134,15 +134,24 @@ def draft_cost(at_two: float, at_max: float, max_depth: int):
 
 
 def best_budget(costs: dict[int, float], node_accept: list[float], draft_s,
-                candidates=range(2, 65)) -> tuple[int, float]:
+                candidates=range(2, 65), tree_sizes: list[int] | None = None) -> tuple[int, float]:
     """(budget, expected tokens/s) maximising tau(b) / (draft(b) + forward(b) + tau(b) * head);
-    draft_s: seconds per step, or a function of the budget (`draft_cost`)."""
+    draft_s: seconds per step, or a function of the budget (`draft_cost`). tree_sizes: the tree
+    sizes measured at the largest candidate budget, where a method's trees can be smaller than the
+    budget (lookup branches exist only where the text repeats): a step then verifies min(b, size)
+    nodes. None: every step verifies b nodes."""
     head = costs.get(0, 0.0)
     draft = draft_s if callable(draft_s) else (lambda _b: draft_s)
+
+    def forward(b: int) -> float:
+        if not tree_sizes:
+            return interpolate(costs, b)
+        return sum(interpolate(costs, min(b, s)) for s in tree_sizes) / len(tree_sizes)
+
     best = (1, 1.0 / (interpolate(costs, 1) + head))  # plain decoding: no draft, one head row
     for b in candidates:
         tau = expected_tau(node_accept, b)
-        rate = tau / (draft(b) + interpolate(costs, b) + tau * head)
+        rate = tau / (draft(b) + forward(b) + tau * head)
         if rate > best[1]:
             best = (b, rate)
     return best

@@ -98,7 +98,8 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
     drafter = proposer.drafter if proposer.params.budget >= 2 else None
     dcache = DraftCache(len(drafter.model.layers)) if drafter is not None else None
     block = drafter.block_size if drafter is not None else 1
-    cache = target.new_cache(min(limit, len(prompt_ids) + max_new_tokens + block))
+    # a step writes `budget` tree nodes past the accepted tokens before compaction
+    cache = target.new_cache(min(limit, len(prompt_ids) + max_new_tokens) + max(block, proposer.params.budget))
     proposer.timings = {"draft": 0.0, "tree": 0.0}
     stats.prompt_tokens = len(prompt_ids)
     t_start = time.perf_counter()
@@ -115,40 +116,45 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
     start = len(prompt_ids)  # position of `root`; cache holds positions < start
 
     produced = 0
-    while True:
-        stats.new_tokens = produced = produced + 1
-        yield root
-        if root in stop_ids:
-            stats.finish_reason = "stop"
-            break
-        if produced >= max_new_tokens or start + 1 >= limit:
-            stats.finish_reason = "length"
-            break
-        # at most as deep as the tokens still wanted and the context window allows
-        max_depth = min(max_new_tokens - produced - 1, limit - start - 2)
-        tree = proposer.propose(dcache, root, start, max_depth)
-        t0 = time.perf_counter()
-        logits, feats = target.forward(tree.tokens.to(dev), (start + tree.depths).to(dev), cache,
-                                       tree_mask=tree.ancestor_mask().to(dev), lazy=True)
-        acc = accept(tree, logits, sampling, gen)
-        keep = torch.tensor(acc.path, device=dev)
-        target.compact(cache, start, keep)
-        if drafter is not None:
-            # deferred: the next block pass computes their keys/values in the same call
-            drafter.extend(dcache, feats[keep], start + torch.arange(len(keep), device=dev), defer=True)
-        stats.verify_s += time.perf_counter() - t0
-        stats.record(len(acc.accepted), len(tree), acc.path)
-        for tok in acc.accepted:  # the root was yielded last step; accepted drafts follow
+    history = list(prompt_ids)  # committed tokens, ending with the root (lookup proposers read it)
+    try:  # the stats are complete also when the consumer closes the generator early
+        while True:
             stats.new_tokens = produced = produced + 1
-            yield tok
-            if tok in stop_ids:
+            history.append(root)
+            yield root
+            if root in stop_ids:
                 stats.finish_reason = "stop"
                 break
-        else:
-            start += len(keep)
-            root = acc.bonus
-            continue
-        break
-    stats.draft_s += proposer.timings["draft"]
-    stats.tree_s += proposer.timings["tree"]
-    stats.total_s = time.perf_counter() - t_start
+            if produced >= max_new_tokens or start + 1 >= limit:
+                stats.finish_reason = "length"
+                break
+            # at most as deep as the tokens still wanted and the context window allows
+            max_depth = min(max_new_tokens - produced - 1, limit - start - 2)
+            tree = proposer.propose(dcache, root, start, max_depth, history)
+            t0 = time.perf_counter()
+            logits, feats = target.forward(tree.tokens.to(dev), (start + tree.depths).to(dev), cache,
+                                           tree_mask=tree.ancestor_mask().to(dev), lazy=True)
+            acc = accept(tree, logits, sampling, gen)
+            keep = torch.tensor(acc.path, device=dev)
+            target.compact(cache, start, keep)
+            if drafter is not None:
+                # deferred: the next block pass computes their keys/values in the same call
+                drafter.extend(dcache, feats[keep], start + torch.arange(len(keep), device=dev), defer=True)
+            stats.verify_s += time.perf_counter() - t0
+            stats.record(len(acc.accepted), len(tree), acc.path)
+            for tok in acc.accepted:  # the root was yielded last step; accepted drafts follow
+                stats.new_tokens = produced = produced + 1
+                history.append(tok)
+                yield tok
+                if tok in stop_ids:
+                    stats.finish_reason = "stop"
+                    break
+            else:
+                start += len(keep)
+                root = acc.bonus
+                continue
+            break
+    finally:
+        stats.draft_s += proposer.timings["draft"]
+        stats.tree_s += proposer.timings["tree"]
+        stats.total_s = time.perf_counter() - t_start

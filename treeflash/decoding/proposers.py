@@ -1,6 +1,8 @@
-"""Drafting methods behind one interface: `propose(state, root_token, start, budget) -> Tree`.
+"""Drafting methods behind one interface: `propose(state, root_token, start, max_depth, history) -> Tree`.
 
-Every method runs at most one drafter forward per step; `vanilla` proposes the root alone.
+Every method runs at most one drafter forward per step; `vanilla` proposes the root alone. A method
+`NAME+lookup` adds lookup branches (decoding/lookup.py: continuations copied from the prompt and
+the output) to NAME's tree under the same budget; `lookup` alone needs no drafter.
 """
 from __future__ import annotations
 
@@ -11,9 +13,12 @@ import torch
 
 from ..errors import TreeflashError
 from ..models.drafter import DraftCache, Drafter
-from .trees import Tree, TransitionTables, chain_tree, marginal_tree, treeflash_tree
+from .lookup import Branches, LookupIndex, LookupParams, LookupScores
+from .trees import (Tree, TransitionTables, best_first, chain_transitions, marginal_transitions,
+                    treeflash_transitions)
 
-METHODS = ("vanilla", "chain", "marginal", "treeflash")
+DRAFTER_METHODS = ("chain", "marginal", "treeflash")
+METHODS = ("vanilla", *DRAFTER_METHODS, "lookup", *(f"{m}+lookup" for m in DRAFTER_METHODS))
 
 
 @dataclass(frozen=True)
@@ -44,30 +49,43 @@ def root_only(root_token: int) -> Tree:
 
 
 class Proposer:
-    """Turns one drafter block pass into a tree: `draft` (drafter forward + heads -> tables),
-    then `build` (pure tree construction). Timings are kept per phase."""
+    """Turns one drafter block pass (and, with lookup, the lookup trie) into a tree: `draft`
+    (drafter forward + heads -> tables), `lookup_branches`, then `build` (pure tree construction).
+    Timings are kept per phase: "draft" (drafter pass and heads), "tree" (lookup and building)."""
 
     name = "base"
 
-    def __init__(self, drafter: Drafter | None, embed, lm_head, params: TreeParams):
+    def __init__(self, drafter: Drafter | None, embed, lm_head, params: TreeParams,
+                 lookup: LookupParams | None = None, scores: LookupScores | None = None):
         self.drafter, self.embed, self.lm_head, self.params = drafter, embed, lm_head, params
+        self.index = LookupIndex(lookup) if lookup is not None else None
+        self.scores = scores if scores is not None or lookup is None else LookupScores.load()
         self.timings = {"draft": 0.0, "tree": 0.0}
 
-    def propose(self, cache: DraftCache, root_token: int, start: int, max_depth: int) -> Tree:
-        """Tree rooted at `root_token` (position `start`), at most `max_depth` deep."""
-        depth = min(max_depth, self.drafter.block_size - 1) if self.drafter is not None else 0
-        if depth < 1 or self.params.budget < 2:
+    def propose(self, cache: DraftCache | None, root_token: int, start: int, max_depth: int,
+                history: list[int] | None = None) -> Tree:
+        """Tree rooted at `root_token` (position `start`), at most `max_depth` deep; `history`: the
+        committed tokens, prompt first, ending with the root (read by lookup methods)."""
+        if self.params.budget < 2:
             return root_only(root_token)
         t0 = time.perf_counter()
-        h = self.draft_states(cache, root_token, start, depth)  # [depth+1, H]
-        # a tree of `budget` nodes is at most budget-1 deep: the heads need no deeper positions
-        # (the block pass keeps its full length, the length the drafter was trained on)
-        tables = self.heads(h[: min(depth, self.params.budget - 1) + 1], root_token)
+        depth = min(max_depth, self.drafter.block_size - 1) if self.drafter is not None else 0
+        tables = None
+        if depth >= 1:
+            h = self.draft_states(cache, root_token, start, depth)  # [depth+1, H]
+            # a tree of `budget` nodes is at most budget-1 deep: the heads need no deeper positions
+            # (the block pass keeps its full length, the length the drafter was trained on)
+            tables = self.heads(h[: min(depth, self.params.budget - 1) + 1], root_token)
         t1 = time.perf_counter()
-        tree = self.build(root_token, tables)
+        branches = self.lookup_branches(history, max_depth) if self.index is not None else None
+        tree = self.build(root_token, tables, branches)
         self.timings["draft"] += t1 - t0
         self.timings["tree"] += time.perf_counter() - t1
         return tree
+
+    def lookup_branches(self, history: list[int], max_depth: int) -> Branches:
+        self.index.sync(history)
+        return self.index.branches(max_depth)
 
     def draft_states(self, cache: DraftCache, root_token: int, start: int, depth: int) -> torch.Tensor:
         """One drafter pass over [root, MASK x depth] -> pre-norm states h [depth+1, H]."""
@@ -97,26 +115,44 @@ class Proposer:
     def heads(self, h: torch.Tensor, root_token: int):
         return self.marginal_logp(h).cpu()
 
+    def transitions(self, tables):
+        return None
+
+    def build(self, root_token: int, tables, branches: Branches | None = None) -> Tree:
+        trans = self.transitions(tables) if tables is not None else None
+        if trans is None and (branches is None or not branches.match_len):
+            return root_only(root_token)
+        return best_first(root_token, self.params.budget, trans, branches, self.scores)
+
 
 class Vanilla(Proposer):
     name = "vanilla"
 
-    def __init__(self, drafter, embed, lm_head, params):
+    def __init__(self, drafter, embed, lm_head, params, lookup=None, scores=None):
         super().__init__(None, embed, lm_head, params)
+
+
+class Lookup(Proposer):
+    """Lookup branches alone: no drafter."""
+
+    name = "lookup"
+
+    def __init__(self, drafter, embed, lm_head, params, lookup=None, scores=None):
+        super().__init__(None, embed, lm_head, params, lookup or LookupParams(), scores)
 
 
 class Chain(Proposer):
     name = "chain"
 
-    def build(self, root_token, logp):
-        return chain_tree(root_token, logp, self.params.budget)
+    def transitions(self, logp):
+        return chain_transitions(logp)
 
 
 class Marginal(Proposer):
     name = "marginal"
 
-    def build(self, root_token, logp):
-        return marginal_tree(root_token, logp, self.params.budget)
+    def transitions(self, logp):
+        return marginal_transitions(logp, self.params.budget)
 
 
 class TreeFlash(Proposer):
@@ -174,18 +210,23 @@ class TreeFlash(Proposer):
         rest = torch.bmm(x[1:].view(D - 1, m, x.shape[-1]), w[1:].transpose(1, 2)).view((D - 1) * m, w.shape[1])
         return torch.cat([first, rest]).float().log_softmax(-1)  # normalised over the columns
 
-    def build(self, root_token, tables):
-        return treeflash_tree(root_token, tables, self.params.budget)
+    def transitions(self, tables):
+        return treeflash_transitions(tables)
 
 
-PROPOSERS = {p.name: p for p in (Vanilla, Chain, Marginal, TreeFlash)}
+PROPOSERS = {p.name: p for p in (Vanilla, Lookup, Chain, Marginal, TreeFlash)}
 
 
-def make_proposer(method: str, drafter, embed, lm_head, params: TreeParams) -> Proposer:
-    if method not in PROPOSERS:
+def make_proposer(method: str, drafter, embed, lm_head, params: TreeParams,
+                  lookup: LookupParams | None = None, scores: LookupScores | None = None) -> Proposer:
+    """`NAME+lookup`: NAME's proposer with lookup branches (`lookup`: their parameters)."""
+    if method not in METHODS:
         raise TreeflashError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if method != "vanilla" and drafter is None:
+    base, _, plus = method.partition("+")
+    if base in DRAFTER_METHODS and drafter is None:
         raise TreeflashError(f"method {method!r} needs a drafter (--drafter PATH or --drafter random)")
-    if method == "treeflash" and drafter.ar_approximation is None:
-        raise TreeflashError("method 'treeflash' needs a drafter with a TreeFlash AR-approximation")
-    return PROPOSERS[method](drafter, embed, lm_head, params)
+    if base == "treeflash" and drafter.ar_approximation is None:
+        raise TreeflashError(f"method {method!r} needs a drafter with a TreeFlash AR-approximation")
+    if plus:
+        return PROPOSERS[base](drafter, embed, lm_head, params, lookup or LookupParams(), scores)
+    return PROPOSERS[base](drafter, embed, lm_head, params, lookup if base == "lookup" else None, scores)

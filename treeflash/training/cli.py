@@ -69,6 +69,14 @@ def register(sub) -> None:
     pl.add_argument("--out", required=True, help="PNG file")
     pl.set_defaults(func=run_plot)
 
+    lc = st.add_parser("lookup-calibrate", help="measure lookup-branch scores on target-generated shards")
+    lc.add_argument("--data", nargs="+", required=True,
+                    help="directories of shard-*.jsonl[.gz] (treeflash data regen: the target's own greedy answers "
+                         "to training prompts)")
+    lc.add_argument("--out", default=None, help="scores JSON (default: the shipped treeflash/assets/lookup_scores.json)")
+    lc.add_argument("--limit", type=int, default=None, help="sequences at most (default: all)")
+    lc.set_defaults(func=run_lookup_calibrate)
+
     m = st.add_parser("tau", help="acceptance length on held-out prompts (greedy)")
     m.add_argument("--target", default="smollm2-135m")
     m.add_argument("--drafter", default=None)
@@ -141,6 +149,34 @@ def run_fit(args) -> int:
     dist_close()
     if trainer.rank == 0:
         print(json.dumps(last))
+    return 0
+
+
+def run_lookup_calibrate(args) -> int:
+    """Agreement rates of lookup edges with the target's greedy continuation, by feature bucket."""
+    from ..decoding import lookup as L
+    from tqdm import tqdm
+
+    from .data import read_jsonl, shard_files, write_atomic
+
+    seqs = []
+    for d in args.data:
+        files = shard_files(Path(d))
+        if not files:
+            raise TreeflashError(f"no shard-*.jsonl[.gz] shards in {d}")
+        for f in files:
+            seqs += [(r["input_ids"], r["prompt_len"]) for r in read_jsonl(f)]
+    if args.limit is not None:
+        seqs = seqs[:max(0, args.limit)]
+    if not seqs:
+        raise TreeflashError("no sequences to calibrate on")
+    counts = L.count_agreements(tqdm(seqs, desc="lookup-calibrate", unit="seq", mininterval=5))
+    out = Path(args.out) if args.out else L.SCORES_FILE
+    meta = {"sequences": len(seqs), "response_tokens": sum(len(i) - p for i, p in seqs),
+            "data": [str(d) for d in args.data], "params": vars(L.LookupParams()),
+            "buckets": {"match": L.MATCH_BUCKETS, "share": L.SHARE_BUCKETS, "depth": L.DEPTH_BUCKETS}}
+    write_atomic(out, json.dumps({**meta, "counts": counts, "log_p": L.scores_from_counts(counts)}) + "\n")
+    print(json.dumps({**meta, "out": str(out)}))
     return 0
 
 

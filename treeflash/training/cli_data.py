@@ -32,6 +32,11 @@ def register(sub) -> None:
     rg.add_argument("--no-progress", action="store_true", help="no progress bar")
     rg.set_defaults(func=run_regen)
 
+    pk = data_sub.add_parser("pack", help="gzip the finished shards of a regen directory into a checked-in data folder")
+    pk.add_argument("src", help="a `data regen --out` directory")
+    pk.add_argument("dst", help="destination, e.g. data/regen/smollm2-135m (shard-NNNNN.jsonl.gz + meta.json)")
+    pk.set_defaults(func=run_pack)
+
 
 def run_prompts(args) -> int:
     from .data import build_prompts
@@ -65,6 +70,38 @@ def run_regen(args) -> int:
     meta = regenerate(target, args.prompts, args.out, cfg, dtype=args.dtype, target_name=args.target,
                       progress=not args.no_progress)
     print(json.dumps(meta))
+    return 0
+
+
+def run_pack(args) -> int:
+    """Copy each finished shard as shard-NNNNN.jsonl.gz (deterministic gzip: no name, no mtime),
+    skipping those already packed; then meta.json. Readers take .jsonl and .jsonl.gz alike."""
+    import gzip
+    import shutil
+    from pathlib import Path
+
+    from ..errors import TreeflashError
+    from ..fsutil import ensure_writable_dir
+    from .data import shard_files
+
+    src, dst = Path(args.src), ensure_writable_dir(Path(args.dst))
+    shards = [p for p in shard_files(src) if p.suffix == ".jsonl"]
+    if not shards:
+        raise TreeflashError(f"no finished shard-*.jsonl in {src}")
+    new = 0
+    for shard in shards:
+        out = dst / (shard.name + ".gz")
+        if out.exists():
+            continue
+        tmp = out.with_name(out.name + ".tmp")
+        with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=9, mtime=0) as f:
+            f.write(shard.read_bytes())
+        tmp.replace(out)
+        new += 1
+    if (src / "meta.json").is_file():
+        shutil.copyfile(src / "meta.json", dst / "meta.json")
+    size = sum(p.stat().st_size for p in dst.glob("shard-*.jsonl.gz"))
+    print(json.dumps({"packed": new, "shards": len(shards), "bytes": size, "dst": str(dst)}))
     return 0
 
 

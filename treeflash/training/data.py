@@ -12,6 +12,7 @@ skipping the ids found in finished shards.
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -26,7 +27,25 @@ from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
-SHARD_GLOB = "shard-*.jsonl"
+SHARD_GLOBS = ("shard-*.jsonl", "shard-*.jsonl.gz")  # gzip: the shards checked in under data/
+
+
+def shard_files(data_dir: Path) -> list[Path]:
+    """The finished shards of a data directory (plain or gzipped), in name order."""
+    return sorted(p for g in SHARD_GLOBS for p in Path(data_dir).glob(g))
+
+
+def shard_number(path: Path) -> int:
+    return int(path.name.split("-")[1].split(".")[0])
+
+
+def read_text(path: Path) -> str:
+    """A text file's contents; gunzipped when its name ends in .gz."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return f.read()
+    return path.read_text(encoding="utf-8")
 
 
 # ---------------------------------------------------------------- file helpers
@@ -51,14 +70,13 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         raise TreeflashError(f"file not found: {path}")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise TreeflashError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    for n, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise TreeflashError(f"{path}:{n}: not valid JSON ({e.msg})") from None
     return rows
 
 
@@ -207,14 +225,14 @@ class Progress:
 def scan_shards(out_dir: Path, stop_ids: set[int]) -> Progress:
     """Ids and token counts of the finished shards in `out_dir` (left-over .tmp files ignored)."""
     prog = Progress()
-    for shard in sorted(Path(out_dir).glob(SHARD_GLOB)):
+    for shard in shard_files(out_dir):
         for rec in read_jsonl(shard):
             prog.done_ids.add(rec["id"])
             n_resp = len(rec["input_ids"]) - rec["prompt_len"]
             prog.response_tokens += n_resp
             prog.total_tokens += len(rec["input_ids"])
             prog.eos_finished += int(n_resp > 0 and rec["input_ids"][-1] in stop_ids)
-        prog.next_shard = max(prog.next_shard, int(shard.stem.split("-")[1]) + 1)
+        prog.next_shard = max(prog.next_shard, shard_number(shard) + 1)
     return prog
 
 

@@ -21,17 +21,17 @@ from tqdm import tqdm
 from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
 from ..models.target import Target
+from .data import read_text, shard_files
 
-SHARD_GLOB = "shard-*.jsonl"
 
 
 def list_shards(data_dir: str | Path) -> list[Path]:
     d = Path(data_dir)
     if not d.is_dir():
         raise TreeflashError(f"data directory {d} does not exist")
-    shards = sorted(d.glob(SHARD_GLOB))
+    shards = shard_files(d)
     if not shards:
-        raise TreeflashError(f"no {SHARD_GLOB} shards in {d}")
+        raise TreeflashError(f"no shard-*.jsonl[.gz] shards in {d}")
     return shards
 
 
@@ -39,9 +39,9 @@ def read_shard(path: Path, vocab: int) -> list[tuple[list[int], int]]:
     """(input_ids, prompt_len) per line; a malformed line is a clear error."""
     out = []
     try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise TreeflashError(f"cannot read shard {path}: {e.strerror}") from None
+        lines = read_text(path).splitlines()
+    except (OSError, EOFError) as e:
+        raise TreeflashError(f"cannot read shard {path}: {getattr(e, 'strerror', None) or e}") from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -59,7 +59,7 @@ def read_shard(path: Path, vocab: int) -> list[tuple[list[int], int]]:
 
 
 def feature_name(shard: Path) -> str:
-    return "feat-" + shard.stem.split("-", 1)[-1] + ".safetensors"
+    return "feat-" + shard.name.split("-", 1)[-1].split(".")[0] + ".safetensors"  # shard-N.jsonl[.gz]
 
 
 @torch.no_grad()

@@ -1,0 +1,170 @@
+"""Lookup branches: draft tokens copied from the text itself (prompt + output), no model needed.
+
+`LookupIndex` keeps an n-gram index over the committed tokens, updated incrementally (O(new
+tokens x max_ngram) per step). `branches()` finds the longest recent suffix (up to `max_ngram`
+tokens) that occurred before and turns the continuations that followed its most recent
+occurrences into a trie of distinct continuations with counts, up to `max_len` tokens deep (not
+bound by the drafter's block).
+
+Each trie edge gets a log-probability-like score from a calibration table (`LookupScores`): the
+measured rate at which the target's greedy continuation agrees with a lookup token, given that
+its parent agreed, by (suffix match length, the edge's share of its parent's count, depth in the
+continuation). `treeflash train lookup-calibrate` measures it on target-generated training data
+(never on evaluation sets); a table ships in `treeflash/assets/lookup_scores.json`.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import TreeflashError
+
+SCORES_FILE = Path(__file__).resolve().parent.parent / "assets" / "lookup_scores.json"
+# feature buckets: upper bounds (inclusive) of each bucket; the last bucket takes the rest
+MATCH_BUCKETS = (1, 2, 3, 5, 8)      # suffix match length in tokens
+SHARE_BUCKETS = (0.34, 0.67, 0.999)  # the edge's count / its parent's count (last bucket: 1, unanimous)
+DEPTH_BUCKETS = (1, 2, 4, 8)         # 1-based depth of the edge's token in the continuation
+
+
+def bucket(value: float, bounds: tuple) -> int:
+    return next((i for i, b in enumerate(bounds) if value <= b), len(bounds))
+
+
+@dataclass(frozen=True)
+class LookupParams:
+    max_ngram: int = 8       # longest suffix matched
+    min_ngram: int = 1       # shortest suffix matched
+    max_len: int = 16        # continuation tokens per branch
+    occurrences: int = 8     # most recent occurrences of the suffix followed
+
+    def check(self) -> "LookupParams":
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise TreeflashError(f"lookup n-gram lengths must satisfy 1 <= min <= max, got {self.min_ngram}, {self.max_ngram}")
+        if self.max_len < 1 or self.occurrences < 1:
+            raise TreeflashError("lookup length and occurrences must be >= 1")
+        return self
+
+
+@dataclass
+class TrieNode:
+    count: int = 0
+    children: dict[int, "TrieNode"] = field(default_factory=dict)  # token -> node
+
+
+@dataclass
+class Branches:
+    """The continuations of the matched suffix: a trie (root = the current last token)."""
+
+    root: TrieNode
+    match_len: int  # tokens of the matched suffix (0: no match, empty trie)
+
+
+class LookupScores:
+    """Calibrated log-probabilities of lookup edges: table[match][share][depth] = log p(agree)."""
+
+    def __init__(self, table: list):
+        self.table = table
+
+    @classmethod
+    def load(cls, path: Path | str = SCORES_FILE) -> "LookupScores":
+        return cls(_read_table(str(path)))
+
+    def edge(self, match_len: int, share: float, depth: int) -> float:
+        return self.table[bucket(match_len, MATCH_BUCKETS)][bucket(share, SHARE_BUCKETS)][bucket(depth, DEPTH_BUCKETS)]
+
+
+@functools.lru_cache(maxsize=4)
+def _read_table(path: str) -> list:
+    """The log_p table of a scores file (read once per process; tables are never mutated)."""
+    try:
+        return json.loads(Path(path).read_text())["log_p"]
+    except (OSError, ValueError, KeyError) as e:
+        raise TreeflashError(f"cannot read lookup scores {path}: {e}") from None
+
+
+class LookupIndex:
+    """n-gram index over one sequence of committed tokens (prompt + output so far)."""
+
+    def __init__(self, params: LookupParams = LookupParams()):
+        self.params = params.check()
+        self.tokens: list[int] = []
+        # n -> {n-gram: end positions, oldest first}; a position is indexed once a token follows it
+        self.grams: list[dict[tuple, list[int]]] = [{} for _ in range(params.max_ngram + 1)]
+        self.indexed = 0  # positions < indexed are in `grams`
+
+    def sync(self, history: list[int]) -> None:
+        """Index the tokens of `history` beyond those seen (history extends what was synced)."""
+        if len(history) < len(self.tokens) or history[:1] != self.tokens[:1]:
+            self.__init__(self.params)  # another sequence: start over
+        self.tokens.extend(history[len(self.tokens):])
+        toks = self.tokens
+        for end in range(self.indexed, len(toks) - 1):  # `end` has a successor now
+            for n in range(1, min(self.params.max_ngram, end + 1) + 1):
+                self.grams[n].setdefault(tuple(toks[end - n + 1:end + 1]), []).append(end)
+        self.indexed = max(self.indexed, len(toks) - 1)
+
+    def branches(self, max_len: int | None = None) -> Branches:
+        """Continuations (at most `max_len` tokens) of the longest suffix that occurred before."""
+        p, toks = self.params, self.tokens
+        max_len = p.max_len if max_len is None else min(max_len, p.max_len)
+        root = TrieNode()
+        if max_len < 1:
+            return Branches(root, 0)
+        for n in range(min(p.max_ngram, len(toks)), p.min_ngram - 1, -1):
+            ends = self.grams[n].get(tuple(toks[len(toks) - n:]))
+            if not ends:
+                continue
+            for end in reversed(ends[-p.occurrences:]):  # most recent first
+                node = root
+                node.count += 1
+                for tok in toks[end + 1:end + 1 + max_len]:
+                    node = node.children.setdefault(tok, TrieNode())
+                    node.count += 1
+            return Branches(root, n)
+        return Branches(root, 0)
+
+
+def edge_features(parent: TrieNode, child: TrieNode, depth: int, match_len: int) -> tuple[int, float, int]:
+    return match_len, child.count / parent.count, depth
+
+
+# ---------------------------------------------------------------- calibration
+def count_agreements(records, params: LookupParams = LookupParams()) -> list:
+    """counts[match][share][depth] = [edges whose parent agreed, of which the edge agreed too].
+
+    records: (token ids, prompt length) pairs, the ids as the target generated them greedily
+    (prompt + response). A lookup is made at every response position, with the history up to it,
+    and its trie is scored against the tokens that actually follow."""
+    shape = (len(MATCH_BUCKETS) + 1, len(SHARE_BUCKETS) + 1, len(DEPTH_BUCKETS) + 1)
+    counts = [[[[0, 0] for _ in range(shape[2])] for _ in range(shape[1])] for _ in range(shape[0])]
+    for seq, prompt_len in records:
+        first = max(int(prompt_len), 1)
+        index, history = LookupIndex(params), list(seq[:first])
+        for i in range(first, len(seq) - 1):  # history seq[:i+1] (its last token: the root); truth seq[i+1:]
+            history.append(seq[i])
+            index.sync(history)
+            br = index.branches()
+            if br.match_len == 0:
+                continue
+            truth = seq[i + 1:i + 1 + params.max_len]
+            node, depth = br.root, 1
+            while node.children and depth <= len(truth):
+                for tok, child in node.children.items():
+                    m, s, d = edge_features(node, child, depth, br.match_len)
+                    cell = counts[bucket(m, MATCH_BUCKETS)][bucket(s, SHARE_BUCKETS)][bucket(d, DEPTH_BUCKETS)]
+                    cell[0] += 1
+                    cell[1] += int(tok == truth[depth - 1])
+                node = node.children.get(truth[depth - 1])
+                if node is None:
+                    break
+                depth += 1
+    return counts
+
+
+def scores_from_counts(counts: list, prior: float = 0.2, strength: float = 4.0) -> list:
+    """Smoothed log-rates: (agreed + prior * strength) / (seen + strength)."""
+    return [[[round(math.log((a + prior * strength) / (n + strength)), 4) for n, a in row] for row in plane]
+            for plane in counts]
