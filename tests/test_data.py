@@ -209,3 +209,22 @@ def test_bad_prompt_files_and_values(tmp_path, capsys):
     assert rc == 2 and "--batch-size must be >= 1" in capsys.readouterr().err
     with pytest.raises(TreeflashError, match="heldout"):
         data.split([{"id": "a"}], heldout=5, seed=0)
+
+
+def test_jsonl_and_gzipped_shards_read_alike(tmp_path):
+    """A record whose text holds U+2028 (a line separator to str.splitlines) is one record; a
+    gzipped shard (as checked in under data/) reads like the plain one, and packing keeps it whole."""
+    import gzip
+
+    from treeflash.cli import main
+
+    rows = [{"id": "a", "input_ids": [1, 2, 3], "prompt_len": 1, "note": "x\u2028y\x85z"}, {"id": "b", "input_ids": [4, 5], "prompt_len": 1}]
+    src = tmp_path / "src"
+    src.mkdir()
+    data.write_jsonl(src / "shard-00000.jsonl", rows)
+    assert data.read_jsonl(src / "shard-00000.jsonl") == rows
+    assert main(["data", "pack", str(src), str(tmp_path / "dst")]) == 0
+    packed = tmp_path / "dst" / "shard-00000.jsonl.gz"
+    assert gzip.decompress(packed.read_bytes()) == (src / "shard-00000.jsonl").read_bytes()
+    assert data.read_jsonl(packed) == rows and data.shard_files(tmp_path / "dst") == [packed]
+    assert data.scan_shards(tmp_path / "dst", stop_ids={5}).next_shard == 1

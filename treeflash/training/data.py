@@ -70,7 +70,7 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         raise TreeflashError(f"file not found: {path}")
     rows = []
-    for n, line in enumerate(read_text(path).splitlines(), 1):
+    for n, line in enumerate(read_text(path).split("\n"), 1):  # not splitlines(): JSON strings may hold U+2028
         if not line.strip():
             continue
         try:
