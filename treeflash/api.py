@@ -186,6 +186,17 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str | None) -> str:
+    """"auto" / None -> the default device; "cuda" without a GPU is a clear error."""
+    if device in (None, "auto"):
+        return default_device()
+    if device not in ("cpu", "cuda"):
+        raise TreeflashError(f"unknown device {device!r}; choose auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise TreeflashError("--device cuda: torch sees no CUDA GPU here (use --device cpu or auto)")
+    return device
+
+
 @functools.lru_cache(maxsize=2)
 def _load_target(name: str, dtype, device: str = "cpu", quantize: str = "none") -> Target:
     """Targets are cached per process (engines share them; each engine re-sets the taps it needs)."""
@@ -200,12 +211,13 @@ def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = 
     drafter: None -> the shipped drafter of the target (a random one, with a warning, if none is
     shipped); "random" -> a random-initialised drafter; a path -> that drafter directory;
     "none" -> no drafter (vanilla decoding only). dtype "auto": bf16 where the hardware computes
-    it natively, else fp32. device: "cuda" when a GPU is present, else "cpu". backend: the
+    it natively, else fp32. device: "cpu", "cuda", or None / "auto": "cuda" when a GPU is present,
+    else "cpu". backend: the
     target's forward path (`Target.set_backend`): auto | hf | static | compiled; it belongs to the
     (cached, shared) target, so the last engine loaded sets it. quantize: "none" | "int8" |
     "int4" (weight-only quantized target on CPU; this changes the target, see `models/quant.py`).
     """
-    tgt = _load_target(target, parse_dtype(dtype), device or default_device(), quantize)
+    tgt = _load_target(target, parse_dtype(dtype), check_device(device), quantize)
     if backend != tgt.backend:
         tgt.set_backend(backend)
     if isinstance(drafter, Drafter):

@@ -22,6 +22,7 @@ SUBCOMMAND_MODULES = [
     "treeflash.serve.cli",
     "treeflash.models.export",
     "treeflash.bench.profile",
+    "treeflash.bench.selftest",
 ]
 
 
@@ -38,9 +39,12 @@ def add_engine_args(p: argparse.ArgumentParser, method_default: str = "treeflash
     """Options shared by every command that builds an engine (generate, bench, serve, chat)."""
     from .decoding.proposers import METHODS
 
-    p.add_argument("--target", default="smollm2-135m", help="built-in name, HF model directory or .gguf file")
+    p.add_argument("--target", default="smollm2-135m",
+                   help="built-in name, Hugging Face repository id (org/name[@revision]), HF model directory or .gguf file")
     p.add_argument("--drafter", default=None,
-                   help="drafter directory, 'random', or 'none' (default: the drafter shipped for the target)")
+                   help="drafter directory or repository id, 'random', or 'none' (default: the drafter shipped for the target)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the models run (auto: CUDA when torch sees a GPU, else the CPU)")
     p.add_argument("--method", default=method_default, choices=METHODS)
     p.add_argument("--tree-size", type=tree_size_arg, default=8,
                    help="nodes verified per step, root included (default 8: measured fastest with --tree-size 4 "
@@ -88,7 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -48,7 +48,8 @@ def run(args) -> int:
 
     check_prompt(args.prompt)
     engine = api.load(args.target, args.drafter, dtype=args.dtype, seed=args.seed or 0, backend=args.backend, quantize=args.quantize,
-                      quiet=args.method == "vanilla")
+                      device=args.device,
+                      quiet=args.method in ("vanilla", "lookup"))
     resolve_tree_size(engine, args)
     kw = engine_kwargs(args)
     if args.json:

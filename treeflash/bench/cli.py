@@ -43,8 +43,10 @@ def register(sub) -> None:
                    help="target forward path for our methods (see treeflash generate --help)")
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="int8 / int4: weight-only quantized target for our methods (compare with a run without it)")
-    p.add_argument("--target", default="smollm2-135m", help="built-in name, HF model directory or .gguf file")
-    p.add_argument("--drafter", default=None, help="drafter directory, 'random', or default: the shipped one")
+    p.add_argument("--target", default="smollm2-135m",
+                   help="built-in name, Hugging Face repository id (org/name[@revision]), HF model directory or .gguf file")
+    p.add_argument("--drafter", default=None, help="drafter directory or repository id, 'random', or default: the shipped one")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when torch sees a GPU")
     p.add_argument("--assistant", default=None, help="NAME|PATH of a smaller same-tokenizer model for hf-assisted")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling and sampling seed")
     p.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; the median time is kept")
@@ -73,7 +75,7 @@ def config_from_args(args):
             setattr(cfg, k, v)
     if args.assistant and args.methods is None and "hf-assisted" not in cfg.methods:
         cfg.methods = cfg.methods + ["hf-assisted"]
-    for k in ("temperature", "dtype", "backend", "quantize", "target", "drafter", "assistant", "seed", "top_m", "top_k", "stage2_vocab", "repeats",
+    for k in ("temperature", "dtype", "backend", "quantize", "target", "drafter", "device", "assistant", "seed", "top_m", "top_k", "stage2_vocab", "repeats",
               "warmup", "humaneval_timeout", "threads", "out"):
         setattr(cfg, k, getattr(args, k))
     return cfg.validate()

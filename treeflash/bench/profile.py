@@ -181,7 +181,8 @@ def run(args) -> int:
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise TreeflashError("--num-prompts and --max-new-tokens must be >= 1")
     methods = [m for m in args.methods.split(",") if m]
-    engine = api.load(args.target, args.drafter, dtype=args.dtype, backend=args.backend, quantize=args.quantize)
+    engine = api.load(args.target, args.drafter, dtype=args.dtype, backend=args.backend, quantize=args.quantize,
+                      device=args.device)
     if args.verify_costs:
         return print_verify_costs(engine, args.verify_costs.split(","), args.json)
     if args.tree_size == "auto":

@@ -43,6 +43,7 @@ class BenchConfig:
     quantize: str = "none"  # "int8" / "int4": weight-only quantized target (a different target; see models/quant.py)
     target: str = "smollm2-135m"
     drafter: str | None = None
+    device: str = "auto"  # auto: CUDA when torch sees a GPU
     assistant: str | None = None
     seed: int = 0
     top_m: int = 8
@@ -154,6 +155,7 @@ def load_engine(cfg: BenchConfig):
 
     drafter = cfg.drafter if cfg.needs_drafter else "none"
     return api.load(cfg.target, drafter, dtype=cfg.dtype, seed=cfg.seed, backend=cfg.backend, quantize=cfg.quantize,
+                    device=cfg.device,
                     quiet=not cfg.needs_drafter)
 
 

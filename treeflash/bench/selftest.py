@@ -1,0 +1,187 @@
+"""`treeflash selftest`: exactness and a greedy bench on one device, as one JSON report.
+
+Made for a GPU machine that has PyTorch and transformers but no package registry and no room for
+the offline targets' weights (`make gpu-check`; docs/performance.md says how to run it):
+
+1. exactness: every method and several budgets on tiny random Llama / Qwen2 / Qwen3 targets, fp32
+   on the device, greedy output compared token by token with plain decoding (any difference fails
+   the run); in bf16 the identity is measured and reported, not required;
+2. bench: greedy tokens/s and tau of vanilla, chain, marginal, treeflash (and treeflash+lookup) at
+   the given budgets, on the built-in target when it can be loaded here, else on a random-weight
+   model of SmolLM2-135M's shape with the shipped drafter (speed only: its tau means nothing).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ARCHS = {  # name -> (config class, model class, extra config) in transformers
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+}
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                     rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+class NoTokenizer:
+    """For targets driven by token ids: only the attributes the engine reads exist."""
+
+    chat_template = None
+    eos_token_id = bos_token_id = pad_token_id = unk_token_id = None
+    all_special_ids: list[int] = []
+    added_tokens_decoder: dict = {}
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def __len__(self):
+        return self.vocab
+
+    def decode(self, ids, **_kw) -> str:
+        return " ".join(map(str, ids))
+
+
+def random_model(arch: str, seed: int, device="cpu", **cfg):
+    import transformers
+
+    cfg_name, model_name, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    config = getattr(transformers, cfg_name)(eos_token_id=None, bos_token_id=None, pad_token_id=None,
+                                             **{**extra, **cfg})
+    return getattr(transformers, model_name)(config).float().eval().to(device)
+
+
+def tiny_target(arch: str = "llama", vocab: int = 128, layers: int = 4, seed: int = 0,
+                logit_scale: float = 1.0, max_pos: int = 512, device="cpu", dtype=torch.float32):
+    """A random-weight 4-layer target of `arch` (hidden 64), its LM head scaled by `logit_scale`
+    (larger: peakier distributions, so greedy choices are far from ties)."""
+    from ..models.target import Target
+
+    model = random_model(arch, seed, device, vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_pos, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return Target(model.to(dtype), NoTokenizer(vocab), name=f"tiny-{arch}")
+
+
+def greedy(target, method: str, drafter, prompt: list[int], n: int, budget: int):
+    from ..decoding.generate import Stats, decode
+    from ..decoding.proposers import TreeParams, make_proposer
+    from ..decoding.sampling import SamplingParams
+
+    stats = Stats()
+    p = make_proposer(method, drafter if method not in ("vanilla", "lookup") else None, target.embed,
+                      target.lm_head, TreeParams(budget, 4, 4))
+    with torch.no_grad():
+        out = list(decode(target, p, prompt, n, SamplingParams(), stats=stats, stop_ids=set()))
+    return out, stats
+
+
+def exactness(device: str, budgets=(2, 8, 33), n: int = 48) -> list[dict]:
+    """Rows {arch, dtype, method, budget, identical, tau}; fp32 rows must be identical."""
+    from ..api import random_drafter
+    from ..decoding.proposers import METHODS
+
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 11, 12, 5, 6, 7]  # repeats: lookup branches get accepted
+    rows = []
+    for arch in ARCHS:
+        for dtype in (torch.float32, torch.bfloat16):
+            target = tiny_target(arch, logit_scale=3.0, device=device, dtype=dtype)
+            drafter = random_drafter(target, seed=1, num_layers=1, num_taps=2, block_size=8)
+            target.set_taps(drafter.config.target_layer_ids)
+            ref, _ = greedy(target, "vanilla", None, prompt, n, 1)
+            for method in METHODS[1:]:
+                for b in budgets:
+                    out, st = greedy(target, method, drafter, prompt, n, b)
+                    same = next((i for i, (a, c) in enumerate(zip(out, ref)) if a != c), len(ref))
+                    rows.append({"arch": arch, "dtype": str(dtype).split(".")[1], "method": method, "budget": b,
+                                 "identical": out == ref, "tokens_before_first_difference": same,
+                                 "tau": round(st.mean_acceptance_length, 3)})
+    return rows
+
+
+def bench_target(name: str, device: str):
+    """(engine, prompts as token ids, what was loaded)."""
+    from .. import api
+    from ..models.target import Target
+
+    try:
+        engine = api.load(name, None, dtype="bfloat16", device=device, quiet=True)
+        ids = [engine.target.encode(p) for p in api.CALIBRATION_PROMPTS]
+        return engine, ids, f"{name} with its shipped drafter"
+    except Exception as e:  # noqa: BLE001 (no gguf package or weights here): fall back to the shape
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    model = random_model("llama", 0, device, **SMOLLM2_SHAPE).to(torch.bfloat16)
+    target = Target(model, NoTokenizer(SMOLLM2_SHAPE["vocab_size"]), name="random-smollm2-shape")
+    from ..models import registry
+    from ..models.drafter import load_drafter
+
+    drafter = load_drafter(registry.resolve_drafter("smollm2-135m-treeflash", "smollm2-135m"), dtype=torch.bfloat16)
+    engine = api.Engine(target, drafter)
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(100, 40000, (64,), generator=g).tolist() for _ in range(3)]
+    return engine, ids, f"random weights of SmolLM2-135M's shape + the shipped drafter ({name} not loadable: {why})"
+
+
+def bench(engine, prompts: list[list[int]], budgets, max_new: int = 128) -> list[dict]:
+    methods = ["vanilla", "chain", "marginal", "treeflash", "treeflash+lookup"]
+    rows = []
+    for method in methods:
+        for b in ([1] if method == "vanilla" else budgets):
+            engine.generate(prompts[0], method=method, tree_size=b, max_new_tokens=8)  # warm-up
+            tokens = steps = 0
+            secs = 0.0
+            for ids in prompts:
+                r = engine.generate(ids, method=method, tree_size=b, max_new_tokens=max_new, stop_ids=set())
+                tokens += r.stats.new_tokens
+                steps += r.stats.steps
+                secs += r.stats.total_s
+            rows.append({"method": method, "budget": b, "tokens_per_s": round(tokens / secs, 1),
+                         "tau": round((tokens - len(prompts)) / max(1, steps), 3)})
+    return rows
+
+
+def run(args) -> int:
+    from ..api import check_device
+
+    device = check_device(args.device)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    t0 = time.perf_counter()
+    report = {"device": device, "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}
+    print(f"treeflash selftest on {device}: exactness ...", file=sys.stderr, flush=True)
+    report["exactness"] = exactness(device)
+    fp32 = [r for r in report["exactness"] if r["dtype"] == "float32"]
+    bf16 = [r for r in report["exactness"] if r["dtype"] == "bfloat16"]
+    report["fp32_all_identical"] = all(r["identical"] for r in fp32)
+    report["bf16_identical_share"] = round(sum(r["identical"] for r in bf16) / max(1, len(bf16)), 3)
+    print(f"treeflash selftest: fp32 identical {sum(r['identical'] for r in fp32)}/{len(fp32)}; bench ...",
+          file=sys.stderr, flush=True)
+    engine, prompts, what = bench_target(args.target, device)
+    report["bench_target"] = what
+    report["bench"] = bench(engine, prompts, budgets, args.max_new_tokens)
+    report["wall_s"] = round(time.perf_counter() - t0, 1)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    for r in report["bench"]:
+        print(f"{r['method']}@{r['budget']}: {r['tokens_per_s']} tok/s, tau {r['tau']}", file=sys.stderr)
+    print(f"wrote {out}: fp32 exactness {'passed' if report['fp32_all_identical'] else 'FAILED'}", file=sys.stderr)
+    return 0 if report["fp32_all_identical"] else 1
+
+
+def register(sub) -> None:
+    p = sub.add_parser("selftest", help="exactness on this device and a greedy bench, as one JSON report")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--target", default="smollm2-135m", help="bench target (falls back to SmolLM2's shape)")
+    p.add_argument("--budgets", default="16,64", help="comma list of tree sizes for the bench")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", default="bench-out/selftest.json")
+    p.set_defaults(func=run)
