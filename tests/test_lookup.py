@@ -89,7 +89,7 @@ def brute_force_merged(logp: torch.Tensor, br: L.Branches, scores: L.LookupScore
             out = {t: [float(logp[len(path), t]), None] for t in range(V)}
         if trie is not None and trie.children:
             for tok, child in trie.children.items():
-                lp = scores.edge(br.match_len, child.count / trie.count, len(path) + 1)
+                lp = scores.edge(br.match_len, trie, child, len(path) + 1)
                 out[tok] = [combine(out[tok][0], lp) if tok in out else lp, child]
         return out
 

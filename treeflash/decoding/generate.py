@@ -117,18 +117,21 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
 
     produced = 0
     history = list(prompt_ids)  # committed tokens, ending with the root (lookup proposers read it)
+    pending = [root]  # tokens to emit: the prefill's token, then each step's accepted drafts + bonus
     try:  # the stats are complete also when the consumer closes the generator early
         while True:
-            stats.new_tokens = produced = produced + 1
-            history.append(root)
-            yield root
-            if root in stop_ids:
-                stats.finish_reason = "stop"
-                break
+            for tok in pending:
+                stats.new_tokens = produced = produced + 1
+                history.append(tok)
+                yield tok
+                if tok in stop_ids:
+                    stats.finish_reason = "stop"
+                    return
             if produced >= max_new_tokens or start + 1 >= limit:
                 stats.finish_reason = "length"
-                break
-            # at most as deep as the tokens still wanted and the context window allows
+                return
+            root = pending[-1]  # position `start`: the last emitted token, not yet in the cache
+            # at most as deep as the tokens still wanted and the context window allow
             max_depth = min(max_new_tokens - produced - 1, limit - start - 2)
             tree = proposer.propose(dcache, root, start, max_depth, history)
             t0 = time.perf_counter()
@@ -142,18 +145,8 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
                 drafter.extend(dcache, feats[keep], start + torch.arange(len(keep), device=dev), defer=True)
             stats.verify_s += time.perf_counter() - t0
             stats.record(len(acc.accepted), len(tree), acc.path)
-            for tok in acc.accepted:  # the root was yielded last step; accepted drafts follow
-                stats.new_tokens = produced = produced + 1
-                history.append(tok)
-                yield tok
-                if tok in stop_ids:
-                    stats.finish_reason = "stop"
-                    break
-            else:
-                start += len(keep)
-                root = acc.bonus
-                continue
-            break
+            start += len(keep)
+            pending = acc.accepted + [acc.bonus]
     finally:
         stats.draft_s += proposer.timings["draft"]
         stats.tree_s += proposer.timings["tree"]

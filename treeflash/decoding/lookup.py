@@ -72,8 +72,10 @@ class LookupScores:
     def load(cls, path: Path | str = SCORES_FILE) -> "LookupScores":
         return cls(_read_table(str(path)))
 
-    def edge(self, match_len: int, share: float, depth: int) -> float:
-        return self.table[bucket(match_len, MATCH_BUCKETS)][bucket(share, SHARE_BUCKETS)][bucket(depth, DEPTH_BUCKETS)]
+    def edge(self, match_len: int, parent: "TrieNode", child: "TrieNode", depth: int) -> float:
+        """log p of the edge parent -> child (child at `depth` of the continuation)."""
+        m, s, d = cell(match_len, parent, child, depth)
+        return self.table[m][s][d]
 
 
 @functools.lru_cache(maxsize=4)
@@ -127,8 +129,11 @@ class LookupIndex:
         return Branches(root, 0)
 
 
-def edge_features(parent: TrieNode, child: TrieNode, depth: int, match_len: int) -> tuple[int, float, int]:
-    return match_len, child.count / parent.count, depth
+def cell(match_len: int, parent: TrieNode, child: TrieNode, depth: int) -> tuple[int, int, int]:
+    """An edge's calibration bucket: (suffix match length, the child's share of its parent's count,
+    the child's depth in the continuation), each bucketed."""
+    return (bucket(match_len, MATCH_BUCKETS), bucket(child.count / parent.count, SHARE_BUCKETS),
+            bucket(depth, DEPTH_BUCKETS))
 
 
 # ---------------------------------------------------------------- calibration
@@ -153,10 +158,9 @@ def count_agreements(records, params: LookupParams = LookupParams()) -> list:
             node, depth = br.root, 1
             while node.children and depth <= len(truth):
                 for tok, child in node.children.items():
-                    m, s, d = edge_features(node, child, depth, br.match_len)
-                    cell = counts[bucket(m, MATCH_BUCKETS)][bucket(s, SHARE_BUCKETS)][bucket(d, DEPTH_BUCKETS)]
-                    cell[0] += 1
-                    cell[1] += int(tok == truth[depth - 1])
+                    m, s, d = cell(br.match_len, node, child, depth)
+                    counts[m][s][d][0] += 1
+                    counts[m][s][d][1] += int(tok == truth[depth - 1])
                 node = node.children.get(truth[depth - 1])
                 if node is None:
                     break

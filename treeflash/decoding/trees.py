@@ -73,7 +73,7 @@ def with_lookup(row, trie: TrieNode | None, depth: int, lookup: Branches, scores
         return None if row is None else (row[0], row[1], None)
     merged: dict[int, list] = {}  # token -> [log-prob, trie child]
     for tok, child in trie.children.items():
-        merged[tok] = [scores.edge(lookup.match_len, child.count / trie.count, depth + 1), child]
+        merged[tok] = [scores.edge(lookup.match_len, trie, child, depth + 1), child]
     if row is not None:
         for tok, lp in zip(*row):
             if tok in merged:
@@ -96,13 +96,13 @@ def best_first(root_token: int, budget: int, transitions: Transitions | None,
     tokens, parents, depths = [root_token], [-1], [0]
     heap: list[tuple[float, int, int, int]] = []  # (-score, parent node, rank, depth)
     rows: dict[int, tuple] = {}  # node -> (child tokens, log-probs, child trie nodes or None)
-    scores_ = [0.0]
+    path_score = [0.0]
     tries: list[TrieNode | None] = [lookup.root if lookup is not None and lookup.match_len else None]
 
     def push_child(node: int, rank: int) -> None:
         row = rows.get(node)
         if row is not None and rank < len(row[0]):
-            heapq.heappush(heap, (-(scores_[node] + row[1][rank]), node, rank, depths[node] + 1))
+            heapq.heappush(heap, (-(path_score[node] + row[1][rank]), node, rank, depths[node] + 1))
 
     def open_node(node: int) -> None:
         row = transitions(depths[node], tokens[node]) if transitions is not None else None
@@ -121,7 +121,7 @@ def best_first(root_token: int, budget: int, transitions: Transitions | None,
         tokens.append(toks[rank])
         parents.append(parent)
         depths.append(depth)
-        scores_.append(-neg)
+        path_score.append(-neg)
         tries.append(kids[rank] if kids is not None else None)
         push_child(parent, rank + 1)  # next sibling
         open_node(len(tokens) - 1)    # first child
