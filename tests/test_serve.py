@@ -551,3 +551,14 @@ def test_serve_refuses_a_busy_port(model_dirs):
                               "--port", str(port)], capture_output=True, text=True, env=child_env(), timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().startswith("error: cannot listen on 127.0.0.1:") and "Traceback" not in out.stderr
+
+
+def test_serve_engine_options_reach_the_engine(model_dirs):
+    """--stage2-vocab reaches the engine (it was parsed and dropped): a value below --top-k is
+    refused at start-up by the engine's own check, as `treeflash generate` refuses it."""
+    target_dir, drafter_dir = model_dirs
+    out = subprocess.run([sys.executable, "-m", "treeflash.cli", "serve", "--target", str(target_dir), "--drafter",
+                          str(drafter_dir), "--port", str(free_port()), "--dtype", "float32", "--top-k", "4",
+                          "--stage2-vocab", "3"], capture_output=True, text=True, env=child_env(), timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == "error: stage-2 vocabulary must be 0 or in [top-k, 49152], got 3"

@@ -79,14 +79,16 @@ def _config(args, model_name: str):
                        top_k=args.top_k, temperature=args.temperature, top_p=args.top_p,
                        sampling_top_k=args.sampling_top_k, default_max_tokens=args.max_new_tokens,
                        max_tokens_limit=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
-                       api_key=args.api_key, max_queue=args.max_queue, hold_file=args.hold_file)
+                       api_key=args.api_key, max_queue=args.max_queue, hold_file=args.hold_file,
+                       stage2_vocab=args.stage2_vocab, draft_vocab=args.draft_vocab)
 
 
 def _warm_up(engine, config) -> None:
     """One tiny generation with the server's settings: bad options fail here, not per request."""
     engine.generate("Hello", chat=False, method=config.method, max_new_tokens=2,
                     temperature=config.temperature, top_p=config.top_p, sampling_top_k=config.sampling_top_k,
-                    tree_size=config.tree_size, top_m=config.top_m, top_k=config.top_k)
+                    tree_size=config.tree_size, top_m=config.top_m, top_k=config.top_k,
+                    stage2_vocab=config.stage2_vocab, draft_vocab=config.draft_vocab)
 
 
 def run_serve(args) -> int:

@@ -31,6 +31,8 @@ class ServeConfig:
     tree_size: int = 8
     top_m: int = 8
     top_k: int = 8
+    stage2_vocab: int | None = None  # None: the engine's default (Engine.stage2_vocab)
+    draft_vocab: bool = True
     temperature: float = 0.0        # used when a request does not say
     top_p: float = 1.0
     sampling_top_k: int = 0
@@ -224,7 +226,8 @@ class Worker:
         tokens = self.engine.tokens(
             ids, method=cfg.method, max_new_tokens=job.max_tokens, temperature=job.temperature,
             top_p=job.top_p, sampling_top_k=cfg.sampling_top_k, tree_size=cfg.tree_size,
-            top_m=cfg.top_m, top_k=cfg.top_k, seed=job.seed, chat=False, stats=stats)
+            top_m=cfg.top_m, top_k=cfg.top_k, seed=job.seed, chat=False, stats=stats,
+            stage2_vocab=cfg.stage2_vocab, draft_vocab=cfg.draft_vocab)
         n, finish = 0, None
         for tok in tokens:
             if job.cancelled.is_set():
