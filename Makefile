@@ -25,10 +25,29 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# Optional peer for `treeflash bench --methods llama-cpp`: llama-cpp-python builds llama.cpp from source
-# (about 15-25 minutes on 2 cores; not needed by demo or test).
-llama-cpp: install
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" $(PIP) llama-cpp-python
+# Optional: llama.cpp from the llama-cpp-python sdist's vendored source (PyPI), built once with cmake + ninja
+# into .llama.cpp/ (git-ignored; ~25 min on 2 cores): the llama-speculative-simple and llama-server binaries
+# (DFlash speculative decoding: `--spec-type draft-dflash`) and libllama, which the Python binding (installed
+# without a second compile) loads through LLAMA_CPP_LIB_PATH. Not needed by demo or test.
+LLAMA_VERSION := 0.3.36
+LLAMA_DIR := .llama.cpp
+LLAMA_SRC := $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_VERSION)
+LLAMA_BIN := $(LLAMA_DIR)/build/bin
+llama-cpp: install $(LLAMA_DIR)/.binding-installed
+
+$(LLAMA_SRC)/vendor/llama.cpp/CMakeLists.txt:
+	$(PY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_VERSION) -d $(LLAMA_DIR)
+	tar xzf $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(LLAMA_DIR)
+
+$(LLAMA_BIN)/llama-speculative-simple: $(LLAMA_SRC)/vendor/llama.cpp/CMakeLists.txt
+	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_DIR)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+	  -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON
+	cmake --build $(LLAMA_DIR)/build -j 2 --target llama-speculative-simple llama-server llama-cli
+
+$(LLAMA_DIR)/.binding-installed: $(LLAMA_BIN)/llama-speculative-simple
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF" $(PIP) $(LLAMA_SRC)
+	@touch $@
 
 # On a GPU machine with python3 + PyTorch (CUDA) + transformers and no package registry (docs/performance.md,
 # "GPU check"): exactness on CUDA and a greedy bench at budgets 16 and 64, as one JSON report (< 8 min).

@@ -526,3 +526,28 @@ def test_factored_correction_and_prev_table_match_the_plain_correction():
     for r, tree in zip(roots, trees):
         again = p.propose(cache, r, 6, 4)
         assert torch.equal(tree.tokens, again.tokens) and torch.equal(tree.parents, again.parents)
+
+
+def test_engine_layout_exports_hold_only_the_model_and_are_world_readable(tmp_path):
+    """--format dflash holds config.json + model.safetensors only (vLLM loads every *.safetensors of
+    the folder and rejects unknown tensors such as the draft vocabulary's); the treeflash layout keeps
+    the draft vocabulary for this engine; every file is 0644 whatever the umask."""
+    import os
+    import stat
+
+    from treeflash.models.drafter import DRAFT_VOCAB_NAME, load_drafter
+    from conftest import tiny_drafter, tiny_target
+
+    d = tiny_drafter(tiny_target("llama"))
+    d.draft_vocab = torch.arange(0, 128, 2)
+    old = os.umask(0o077)  # a strict umask must not make the weights unreadable to a server
+    try:
+        d.save(tmp_path / "tf", fmt="treeflash")
+        d.save(tmp_path / "df", fmt="dflash")
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in (tmp_path / "df").iterdir()) == ["config.json", "model.safetensors"]
+    assert (tmp_path / "tf" / DRAFT_VOCAB_NAME).exists()
+    assert torch.equal(load_drafter(tmp_path / "tf").draft_vocab, d.draft_vocab)
+    for p in [*(tmp_path / "df").iterdir(), *(tmp_path / "tf").iterdir()]:
+        assert stat.S_IMODE(p.stat().st_mode) == 0o644, p

@@ -596,7 +596,12 @@ class Drafter(nn.Module):
     def save(self, out_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16,
              fmt: str | None = None) -> Path:
         """Write config.json + model.safetensors in the published layout `fmt` (default: treeflash
-        when there is an AR-approximation, else dflash). Returns the directory."""
+        when there is an AR-approximation, else dflash). Returns the directory.
+
+        The draft vocabulary (`draft_vocab.safetensors`, this engine's own) is written beside the
+        treeflash layout only: engines that read the dflash layout load every *.safetensors in the
+        folder and reject unknown tensors (vLLM). Files are written world-readable (0644), so a
+        server running as another user can read them."""
         from safetensors.torch import save_file
 
         fmt = _check_format(fmt or self.config.default_format)
@@ -611,10 +616,14 @@ class Drafter(nn.Module):
         cfg = self.config.to_dict(fmt)
         cfg["dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")
         (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
-        if self.draft_vocab is not None:
+        written = [out / WEIGHTS_NAME, out / CONFIG_NAME]
+        if self.draft_vocab is not None and fmt == "treeflash":
             save_file({"token_ids": self.draft_vocab.long().cpu().contiguous()}, str(out / DRAFT_VOCAB_NAME))
+            written.append(out / DRAFT_VOCAB_NAME)
         else:
             (out / DRAFT_VOCAB_NAME).unlink(missing_ok=True)
+        for f in written:
+            f.chmod(0o644)
         return out
 
 
