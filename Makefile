@@ -46,7 +46,7 @@ $(LLAMA_BIN)/llama-speculative-simple: $(LLAMA_SRC)/vendor/llama.cpp/CMakeLists.
 	cmake --build $(LLAMA_DIR)/build -j 2 --target llama-speculative-simple llama-server llama-cli
 
 $(LLAMA_DIR)/.binding-installed: $(LLAMA_BIN)/llama-speculative-simple
-	CMAKE_ARGS="-DLLAMA_BUILD=OFF" $(PIP) $(LLAMA_SRC)
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF" $(PIP) $(LLAMA_SRC) sentencepiece
 	@touch $@
 
 # On a GPU machine with python3 + PyTorch (CUDA) + transformers and no package registry (docs/performance.md,

@@ -3,7 +3,9 @@
 - ours (`vanilla`, `chain`, `marginal`, `treeflash`): the treeflash engine, same drafter and budget;
 - Hugging Face peers on the very same target model object: `hf-generate` (plain greedy/sampled
   `generate`), `hf-prompt-lookup` (`prompt_lookup_num_tokens`), `hf-assisted` (`assistant_model=`);
-- `llama-cpp`: plain decoding of the target's GGUF through llama-cpp-python, when importable.
+- `llama-cpp`: plain decoding of the target's GGUF through llama-cpp-python, when importable;
+- `llama-cpp-bf16`, `llama-cpp-dflash[-q4]`: llama.cpp's own server, plain and with our drafter
+  (bench/llama_server.py; `make llama-cpp`).
 
 Every method fills a `Stats` (decoding/generate.py). For HF methods the acceptance lengths are read
 off the target's forward calls (every forward is a step; see `ForwardLog.fill`); our engine's
@@ -25,7 +27,8 @@ from ..models import registry
 
 TREE_METHODS = tuple(m for m in ENGINE_METHODS if m != "vanilla")  # use --tree-size
 HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted")
-ALL_METHODS = ENGINE_METHODS + HF_METHODS + ("llama-cpp",)
+LLAMA_SERVER_METHODS = ("llama-cpp-bf16", "llama-cpp-dflash", "llama-cpp-dflash-q4")  # bench/llama_server.py
+ALL_METHODS = ENGINE_METHODS + HF_METHODS + ("llama-cpp",) + LLAMA_SERVER_METHODS
 PROMPT_LOOKUP_TOKENS = 10  # HF's documented default suggestion for prompt lookup
 
 
@@ -177,11 +180,16 @@ class LlamaCppMethod(Method):
 
 def llama_cpp_gguf(target_name: str) -> tuple[Path | None, str]:
     """(GGUF path, '') when llama-cpp can run this target, else (None, why it is skipped)."""
+    from ..models import llamacpp
+
+    lib = llamacpp.llama_dir() / "build" / "bin"
+    if "LLAMA_CPP_LIB_PATH" not in os.environ and (lib / "libllama.so").exists():
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(lib)  # the binding `make llama-cpp` installs loads this build
     try:
         import llama_cpp  # noqa: F401
-    except ImportError:
-        return None, ("skipped: llama_cpp is not importable (pip install llama-cpp-python; it compiles "
-                      "from source, ~10 min here)")
+    except (ImportError, OSError, RuntimeError) as e:
+        return None, (f"skipped: llama_cpp is not importable ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                      "run `make llama-cpp`")
     if target_name in registry.TARGETS:
         return registry.gguf_path(target_name), ""
     if str(target_name).endswith(".gguf") and Path(target_name).is_file():
@@ -232,4 +240,12 @@ def build_methods(engine, names: list[str], tree_sizes: list, target_name: str, 
                 notes.append(f"llama-cpp {why}")
             else:
                 arms.append(LlamaCppMethod(gguf, engine.target.stop_ids(), threads=threads))
+        elif name in LLAMA_SERVER_METHODS:
+            from . import llama_server
+
+            budgets = [b for b in tree_sizes if b != "auto"] or [8]
+            got, why = llama_server.build(name, target_name, budgets, threads, registry.cache_dir() / "llama.cpp")
+            arms += got
+            if why:
+                notes.append(why)
     return arms, notes

@@ -16,7 +16,7 @@ from pathlib import Path
 from .humaneval_exec import check_completions, extract_completion
 
 SPLIT = ("prefill", "draft", "tree", "verify")
-PLAIN = ("vanilla", "hf-generate", "llama-cpp")  # one token per forward: no acceptance to show
+PLAIN = ("vanilla", "hf-generate", "llama-cpp", "llama-cpp-bf16")  # one token per forward: no acceptance to show
 
 
 def _key(r) -> tuple:

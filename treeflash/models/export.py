@@ -4,6 +4,8 @@
   what the SGLang (`--speculative-algorithm DFLASH`) and vLLM (`"method": "dflash"`) loaders read;
   they serve chain drafting.
 - `--format treeflash` (`TreeFlashDraftModel`): body under `model.` plus `ar_approximation.*`.
+- `--format gguf` (llama.cpp's `--spec-type draft-dflash`): the DFlash body as one GGUF file, written
+  by the vendored llama.cpp's own converter (`models/llamacpp.py`; needs `make llama-cpp`).
 
 See docs/checkpoints.md for what each engine needs.
 """
@@ -23,10 +25,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 def register(sub) -> None:
     p = sub.add_parser("export", help="write a drafter in the published DFlash / TreeFlash checkpoint layout")
-    p.add_argument("out", help="output directory")
-    p.add_argument("--format", dest="fmt", default="dflash", choices=FORMATS,
+    p.add_argument("out", help="output directory (--format gguf: a .gguf file)")
+    p.add_argument("--format", dest="fmt", default="dflash", choices=(*FORMATS, "gguf"),
                    help="dflash: for SGLang / vLLM (chain drafting; drops the AR-approximation); "
-                        "treeflash: the full TreeFlash drafter (default: dflash)")
+                        "treeflash: the full TreeFlash drafter; gguf: a DFlash GGUF for llama.cpp "
+                        "(needs `make llama-cpp`) (default: dflash)")
     p.add_argument("--drafter", default=None,
                    help="drafter directory, a shipped drafter name, or 'random' (default: the drafter "
                         "shipped for --target)")
@@ -43,6 +46,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     out = Path(args.out).expanduser()
+    if args.fmt == "gguf":
+        return run_gguf(args, out)
     _check_out(out, args.force)
     drafter = _drafter(args.drafter, args.target)
     path = export(drafter, out, args.fmt, DTYPES[args.dtype])
@@ -54,6 +59,26 @@ def run(args) -> int:
         print("note: the TreeFlash AR-approximation is not part of the DFlash format and was left out; "
               "engines serve chain drafting (use --format treeflash to keep it)", file=sys.stderr)
     print(serve_hint(path, drafter, args.fmt))
+    return 0
+
+
+def run_gguf(args, out: Path) -> int:
+    from . import registry
+    from .llamacpp import converter, export_gguf
+
+    if out.exists() and not args.force:
+        raise TreeflashError(f"{out} exists; pass --force to overwrite")
+    converter()  # fail before loading anything when llama.cpp is not built
+    target = args.target or registry.DEFAULT_TARGET
+    drafter = _drafter(args.drafter, target)
+    path = export_gguf(drafter, out, target, "bf16" if args.dtype == "bfloat16" else "f32")
+    print(f"wrote {path} (DFlash GGUF for llama.cpp, {drafter.config.num_hidden_layers} layers, block "
+          f"{drafter.config.block_size})")
+    if drafter.ar_approximation is not None:
+        print("note: llama.cpp has no TreeFlash AR-approximation; the GGUF carries the DFlash body, which "
+              "llama.cpp drafts chains with", file=sys.stderr)
+    print(f"run it with: .llama.cpp/build/bin/llama-speculative-simple -m TARGET.gguf -md {path} "
+          f"--spec-type draft-dflash --spec-draft-n-max {drafter.config.block_size - 1} --temp 0 -p PROMPT")
     return 0
 
 

@@ -1,0 +1,87 @@
+"""Our drafter inside the real llama.cpp: `treeflash export --format gguf`, then llama.cpp's own
+`llama-speculative-simple --spec-type draft-dflash` on a SmolLM2 (Llama-architecture) target.
+
+The export is faithful when llama.cpp accepts about as many of its drafts as our engine's `chain`
+method accepts of the same drafter's (same prompts, same bf16 target weights, greedy): layer ids,
+RoPE, norms and the mask token all have to agree for that. Skipped where the binaries are absent.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from treeflash.models import llamacpp
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(llamacpp.binary("llama-speculative-simple") is None or llamacpp.source_dir() is None,
+                       reason="llama.cpp is not built here: run `make llama-cpp`"),
+]
+
+PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "The three primary colours are"]
+N = 48
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gguf")
+    r = subprocess.run([sys.executable, "-m", "treeflash", "export", "--format", "gguf", str(out / "draft.gguf")],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert "DFlash body" in r.stderr  # the one line saying what the GGUF carries
+    return llamacpp.target_gguf("smollm2-135m", out / "target-bf16.gguf"), out / "draft.gguf"
+
+
+def test_export_refuses_a_non_gguf_name(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "treeflash", "export", "--format", "gguf", str(tmp_path / "x")],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 2 and "give OUT a .gguf name" in r.stderr
+
+
+def test_llama_cpp_accepts_our_drafter_as_our_chain_method_does(ggufs):
+    import treeflash
+
+    target, draft = ggufs
+    engine = treeflash.load(dtype="bfloat16", backend="static")
+    theirs = ours_acc = ours_steps = 0
+    theirs_steps = 0
+    for p in PROMPTS:
+        run = llamacpp.speculative_simple(target, draft, p, N, draft_max=engine.drafter.block_size - 1)
+        theirs += run.n_accept
+        theirs_steps += run.steps
+        r = engine.generate(p, method="chain", tree_size=engine.drafter.block_size, max_new_tokens=N, chat=False,
+                            stop_ids=set())
+        ours_acc += sum(r.stats.acceptance_lengths) - r.stats.steps
+        ours_steps += r.stats.steps
+    # accepted drafts per step (tau - 1): a drafter that llama.cpp reads wrongly accepts ~0
+    acc_theirs, acc_ours = theirs / theirs_steps, ours_acc / ours_steps
+    print(json.dumps({"accepted_per_step_llama_cpp": acc_theirs, "accepted_per_step_ours_chain": acc_ours}))
+    assert acc_ours > 0.2, "our chain method should accept drafts here: the comparison must bite"
+    assert abs(acc_theirs - acc_ours) <= 0.35 * acc_ours, (acc_theirs, acc_ours)
+
+
+def test_bench_arms_in_llama_server_count_tokens_and_steps(tmp_path):
+    """`llama-cpp-dflash` (our drafter in llama-server) beside its plain bf16 decoding: token ids in and
+    out, every generated token accounted for by the prompt pass or a step."""
+    import treeflash
+    from treeflash.bench import llama_server
+    from treeflash.bench.methods import DecodeParams
+
+    engine = treeflash.load(drafter="none", dtype="float32")
+    ids = engine.target.encode(PROMPTS[0], chat=False)
+    arms = []
+    for name in ("llama-cpp-bf16", "llama-cpp-dflash"):
+        got, why = llama_server.build(name, "smollm2-135m", [4], 2, tmp_path)
+        assert not why
+        arms += got
+    try:
+        outs = [arm.generate(ids, DecodeParams(32)) for arm in arms]
+    finally:
+        for arm in arms:
+            arm.close()
+    for out in outs:
+        assert 0 < len(out.token_ids) <= 32 and out.stats.total_s > 0
+        assert sum(out.stats.acceptance_lengths) + 1 == len(out.token_ids)
+    assert outs[0].stats.mean_acceptance_length == 1.0 and outs[1].stats.mean_acceptance_length > 1.0

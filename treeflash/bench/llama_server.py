@@ -1,0 +1,123 @@
+"""Bench arms that run in llama.cpp's own server (`make llama-cpp`), token ids in and out:
+
+- `llama-cpp-bf16`: plain decoding of the target as a bf16 GGUF (converted from our safetensors);
+- `llama-cpp-dflash`: the same target with our drafter inside llama.cpp (`--spec-type draft-dflash`,
+  exported by `treeflash export --format gguf`); its budget (`--tree-size B`) is a chain of B - 1
+  drafts, so B nodes are verified per step as in our methods;
+- `llama-cpp-dflash-q4`: our drafter with the shipped Q4_1 target GGUF.
+
+One `llama-server` per arm on a loopback port, started on first use and stopped at exit. Times are
+the server's own (prompt + generation, `timings`), so HTTP adds nothing.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from ..decoding.generate import Stats
+from ..errors import TreeflashError
+from ..models import llamacpp, registry
+from .methods import Generation, Method
+
+SERVER_METHODS = ("llama-cpp-bf16", "llama-cpp-dflash", "llama-cpp-dflash-q4")
+PLAIN = ("llama-cpp-bf16",)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServerMethod(Method):
+    def __init__(self, name: str, target_gguf: Path, draft_gguf: Path | None, budget: int | None, threads: int):
+        self.name, self.tree_size = name, budget
+        self.target_gguf, self.draft_gguf, self.threads = target_gguf, draft_gguf, threads
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def _start(self) -> None:
+        exe = llamacpp.binary("llama-server")
+        if exe is None:
+            raise TreeflashError(f"llama-server is not built; {llamacpp.BUILD_HINT}")
+        port = _free_port()
+        cmd = [str(exe), "-m", str(self.target_gguf), "--host", "127.0.0.1", "--port", str(port), "-t",
+               str(self.threads), "-c", "4096", "-np", "1", "--no-webui"]
+        if self.draft_gguf is not None:
+            cmd += ["-md", str(self.draft_gguf), "--spec-type", "draft-dflash", "--spec-draft-n-max",
+                    str(self.tree_size - 1), "-td", str(self.threads)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        atexit.register(self.close)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise TreeflashError(f"llama-server exited: {self.proc.stderr.read()[-400:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        raise TreeflashError("llama-server did not become ready in 120 s")
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def generate(self, prompt_ids, p):
+        if self.proc is None:
+            self._start()
+        body = {"prompt": list(map(int, prompt_ids)), "n_predict": p.max_new_tokens, "temperature": 0.0,
+                "top_k": 1, "return_tokens": True, "cache_prompt": False, "seed": p.seed}
+        req = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            res = json.loads(r.read())
+        tokens = [int(t) for t in res.get("tokens", [])]
+        t = res["timings"]
+        stats = Stats(prompt_tokens=len(prompt_ids))
+        stats.total_s = (t["prompt_ms"] + t["predicted_ms"]) / 1e3
+        stats.prefill_s = t["prompt_ms"] / 1e3
+        stats.new_tokens = len(tokens)
+        # the first token comes from the prompt pass; every later step adds its accepted drafts + 1.
+        # The server reports totals only: the steps get the mean (tau is exact), and per-position
+        # acceptance is not known, so it is left empty rather than made up.
+        left, accepted = max(0, len(tokens) - 1), int(t.get("draft_n_accepted", 0))
+        steps = max(0, left - accepted)
+        for i in range(steps):
+            stats.record(accepted // steps + (i < accepted % steps), self.tree_size or 1)
+        stats.accepted_per_position, stats.node_hits = [], []
+        stats.finish_reason = "stop" if res.get("stop_type") in ("eos", "word") else "length"
+        return Generation(tokens, stats)
+
+
+def build(name: str, target_name: str, budgets: list[int], threads: int | None, work: Path) -> tuple[list, str]:
+    """The arms of one llama.cpp server method (one per budget for the DFlash ones), or a skip note."""
+    if llamacpp.binary("llama-server") is None or llamacpp.source_dir() is None:
+        return [], f"{name} skipped: llama.cpp is not built here (run `make llama-cpp`)"
+    if target_name not in registry.TARGETS:
+        return [], f"{name} skipped: needs a built-in target (its GGUF and safetensors), got {target_name!r}"
+    threads = threads or 2
+    work.mkdir(parents=True, exist_ok=True)
+    if name == "llama-cpp-dflash-q4":
+        target = registry.gguf_path(target_name)
+    else:
+        target = llamacpp.target_gguf(target_name, work / f"{target_name}-bf16.gguf")
+    if name in PLAIN:
+        return [LlamaServerMethod(name, target, None, None, threads)], ""
+    draft = work / f"{target_name}-drafter.gguf"
+    if not draft.exists():
+        from ..models.export import _drafter
+
+        llamacpp.export_gguf(_drafter(None, target_name), draft, target_name)
+    return [LlamaServerMethod(name, target, draft, b, threads) for b in budgets if b >= 2], ""
