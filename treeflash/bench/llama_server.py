@@ -117,7 +117,7 @@ def build(name: str, target_name: str, budgets: list[int], threads: int | None, 
         return [LlamaServerMethod(name, target, None, None, threads)], ""
     draft = work / f"{target_name}-drafter.gguf"
     if not draft.exists():
-        from ..models.export import _drafter
+        from ..models.export import drafter_to_export
 
-        llamacpp.export_gguf(_drafter(None, target_name), draft, target_name)
+        llamacpp.export_gguf(drafter_to_export(None, target_name), draft, target_name)
     return [LlamaServerMethod(name, target, draft, b, threads) for b in budgets if b >= 2], ""

@@ -49,7 +49,7 @@ def run(args) -> int:
     if args.fmt == "gguf":
         return run_gguf(args, out)
     _check_out(out, args.force)
-    drafter = _drafter(args.drafter, args.target)
+    drafter = drafter_to_export(args.drafter, args.target)
     path = export(drafter, out, args.fmt, DTYPES[args.dtype])
     if args.copy_code:
         copy_code(Path(args.copy_code).expanduser(), out)
@@ -70,7 +70,7 @@ def run_gguf(args, out: Path) -> int:
         raise TreeflashError(f"{out} exists; pass --force to overwrite")
     converter()  # fail before loading anything when llama.cpp is not built
     target = args.target or registry.DEFAULT_TARGET
-    drafter = _drafter(args.drafter, target)
+    drafter = drafter_to_export(args.drafter, target)
     path = export_gguf(drafter, out, target, "bf16" if args.dtype == "bfloat16" else "f32")
     print(f"wrote {path} (DFlash GGUF for llama.cpp, {drafter.config.num_hidden_layers} layers, block "
           f"{drafter.config.block_size})")
@@ -95,7 +95,7 @@ def _check_out(out: Path, force: bool) -> None:
         raise TreeflashError(f"{out} already holds a checkpoint ({', '.join(existing)}); pass --force to overwrite")
 
 
-def _drafter(name: str | None, target: str | None) -> Drafter:
+def drafter_to_export(name: str | None, target: str | None) -> Drafter:
     """The drafter to export, checked against the target when one is named (or needed)."""
     from . import registry
 
