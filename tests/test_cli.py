@@ -120,3 +120,16 @@ def test_python_dash_m_and_the_console_script_both_run():
         r = subprocess.run([sys.executable, "-m", "treeflash", "generate", "--help"], capture_output=True, text=True,
                            timeout=120)
         assert name in r.stdout
+
+
+def test_a_command_loads_only_its_own_module():
+    """`treeflash generate` imports no training, bench or serve code; a bare `treeflash` lists them all."""
+    code = ("import sys; from treeflash.cli import build_parser; p = build_parser(sys.argv[1:]); "
+            "print(sorted(m for m in sys.modules if m.startswith('treeflash.') and m.count('.') >= 1))")
+    gen = subprocess.run([sys.executable, "-c", code, "generate", "Hi"], capture_output=True, text=True, timeout=120)
+    loaded = gen.stdout
+    assert gen.returncode == 0 and "treeflash.cli_generate" in loaded
+    for heavy in ("treeflash.training", "treeflash.bench", "treeflash.serve"):
+        assert heavy not in loaded, heavy
+    everything = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert all(m in everything for m in ("treeflash.training.cli", "treeflash.bench.cli", "treeflash.serve.cli"))

@@ -13,17 +13,21 @@ import sys
 
 from .errors import TreeflashError
 
-# (module, attribute) of each subcommand group's `register` function; loaded lazily.
-SUBCOMMAND_MODULES = [
-    "treeflash.cli_generate",
-    "treeflash.training.cli",
-    "treeflash.training.cli_data",
-    "treeflash.bench.cli",
-    "treeflash.serve.cli",
-    "treeflash.models.export",
-    "treeflash.bench.profile",
-    "treeflash.bench.selftest",
-]
+# subcommand -> the module whose `register(subparsers)` adds it. Only the module of the command
+# being run is imported (training, bench and serve code stay out of `treeflash generate`); a bare
+# `treeflash`, `--help` or an unknown command loads them all, to list every command.
+COMMANDS = {
+    "generate": "treeflash.cli_generate",
+    "train": "treeflash.training.cli",
+    "data": "treeflash.training.cli_data",
+    "bench": "treeflash.bench.cli",
+    "serve": "treeflash.serve.cli",
+    "chat": "treeflash.serve.cli",
+    "export": "treeflash.models.export",
+    "profile": "treeflash.bench.profile",
+    "selftest": "treeflash.bench.selftest",
+}
+SUBCOMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
 
 
 def tree_size_arg(value: str) -> int | str:
@@ -76,10 +80,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for `argv` (default: every command): only the module of argv's command is loaded."""
     parser = argparse.ArgumentParser(prog="treeflash", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for mod in SUBCOMMAND_MODULES:
+    command = next((a for a in argv or () if not a.startswith("-")), None)
+    for mod in [COMMANDS[command]] if command in COMMANDS else SUBCOMMAND_MODULES:
         try:
             module = importlib.import_module(mod)
         except ModuleNotFoundError as e:
@@ -92,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except TreeflashError as e:
