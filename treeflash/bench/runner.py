@@ -18,10 +18,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..decoding.generate import Stats
+from ..decoding.proposers import DRAFTER_METHODS
 from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
 from .datasets import DATASETS, Sample, sample_prompts
-from ..decoding.proposers import DRAFTER_METHODS
 from .methods import ALL_METHODS, TREE_METHODS, DecodeParams, Generation, Method, build_methods
 
 QUICK = dict(datasets=["humaneval", "gsm8k", "mt-bench"], num_prompts=2, max_new_tokens=32,
