@@ -30,6 +30,7 @@ def register(sub) -> None:
     f.add_argument("--max-len", type=int, default=1024)
     f.add_argument("--limit-shards", type=int, default=None)
     f.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    f.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when torch sees a GPU")
     f.set_defaults(func=run_features)
 
     hp = st.add_parser("pairs", help="ShareGPT (user, assistant) pairs as shards (train with --target-labels)")
@@ -87,6 +88,7 @@ def register(sub) -> None:
     m.add_argument("--max-new-tokens", type=int, default=128)
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     m.add_argument("--json-out", default=None)
+    m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when torch sees a GPU")
     m.set_defaults(func=run_tau)
 
 
@@ -113,7 +115,9 @@ def run_features(args) -> int:
     list_shards(args.data)  # fail fast, before loading the target
     if args.num_taps < 1 or args.top_k < 1 or args.max_len < 2:
         raise TreeflashError("bad config value: --num-taps, --top-k must be >= 1 and --max-len >= 2")
-    target = Target.load(args.target, dtype=args.dtype)
+    from ..api import check_device
+
+    target = Target.load(args.target, dtype=args.dtype, device=check_device(args.device))
     layers = default_target_layer_ids(target.config.num_hidden_layers, min(args.num_taps, target.config.num_hidden_layers))
     files = build_cache(target, args.data, args.out, layers, args.top_k, args.max_len, args.limit_shards)
     print(f"{len(files)} feature shards in {args.out} (layers {layers})")
@@ -294,7 +298,7 @@ def run_tau(args) -> int:
     sets = [s for s in args.sets.split(",") if s]
     for s in sets:
         load_prompts(s, 1)
-    engine = api.load(args.target, args.drafter, dtype=args.dtype)
+    engine = api.load(args.target, args.drafter, dtype=args.dtype, device=args.device)
     res = measure_tau(engine, sets, methods, args.n, args.tree_size, args.max_new_tokens)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=1) + "\n")

@@ -30,6 +30,7 @@ def register(sub) -> None:
     rg.add_argument("--shard-size", type=int, default=256, help="sequences per shard")
     rg.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     rg.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rg.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when torch sees a GPU")
     rg.set_defaults(func=run_regen)
 
     pk = data_sub.add_parser("pack", help="gzip the finished shards of a regen directory into a checked-in data folder")
@@ -65,7 +66,9 @@ def run_regen(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    target = Target.load(args.target, dtype=args.dtype)
+    from ..api import check_device
+
+    target = Target.load(args.target, dtype=args.dtype, device=check_device(args.device))
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` saves the finished records like Ctrl-C
     meta = regenerate(target, args.prompts, args.out, cfg, dtype=args.dtype, target_name=args.target,
                       progress=not args.no_progress)

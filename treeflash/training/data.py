@@ -279,12 +279,13 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int) -> lis
     stop = target.stop_ids()
     pad_id = target.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else min(stop)
-    stop_t = torch.tensor(sorted(stop))
-    ids, mask = left_pad(prompts, pad_id)            # [B, L]
+    dev = target.device
+    stop_t = torch.tensor(sorted(stop), device=dev)
+    ids, mask = (t.to(dev) for t in left_pad(prompts, pad_id))  # [B, L]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)         # [B, L] positions skip the left padding
     cache = target.new_cache()
     responses: list[list[int]] = [[] for _ in prompts]
-    alive = torch.arange(len(prompts))               # [b] batch row -> prompt index
+    alive = torch.arange(len(prompts), device=dev)   # [b] batch row -> prompt index
     with torch.no_grad():
         logits = target.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                               use_cache=True, logits_to_keep=1).logits  # [B, 1, V]

@@ -65,10 +65,12 @@ def feature_name(shard: Path) -> str:
 @torch.no_grad()
 def sequence_features(target: Target, ids: list[int], top_k: int) -> dict[str, torch.Tensor]:
     """One target forward over a whole sequence -> feats [T, taps*H] fp16, top-K next-token log-probs."""
-    x = torch.tensor(ids)
-    logits, feats = target.forward(x, torch.arange(len(ids)), target.new_cache())  # [T, V], [T, taps*H]
+    x = torch.tensor(ids, device=target.device)
+    pos = torch.arange(len(ids), device=target.device)
+    logits, feats = target.forward(x, pos, target.new_cache())  # [T, V], [T, taps*H]
     vals, idx = logits.log_softmax(-1).topk(top_k, -1)  # [T, K]
-    return {"feats": feats.to(torch.float16), "top_idx": idx.to(torch.int32), "top_logp": vals.to(torch.float16)}
+    return {"feats": feats.to(torch.float16).cpu(), "top_idx": idx.to(torch.int32).cpu(),
+            "top_logp": vals.to(torch.float16).cpu()}
 
 
 @dataclass
