@@ -15,6 +15,7 @@ import atexit
 import json
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -24,8 +25,7 @@ from ..errors import TreeflashError
 from ..models import llamacpp, registry
 from .methods import Generation, Method
 
-SERVER_METHODS = ("llama-cpp-bf16", "llama-cpp-dflash", "llama-cpp-dflash-q4")
-PLAIN = ("llama-cpp-bf16",)
+PLAIN = ("llama-cpp-bf16",)  # the arms without a drafter (methods.LLAMA_SERVER_METHODS lists them all)
 
 
 def _free_port() -> int:
@@ -51,13 +51,16 @@ class LlamaServerMethod(Method):
         if self.draft_gguf is not None:
             cmd += ["-md", str(self.draft_gguf), "--spec-type", "draft-dflash", "--spec-draft-n-max",
                     str(self.tree_size - 1), "-td", str(self.threads)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # its log goes to a file: an unread pipe fills up over a long bench and blocks the server
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         atexit.register(self.close)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise TreeflashError(f"llama-server exited: {self.proc.stderr.read()[-400:]}")
+                self.log.seek(0)
+                raise TreeflashError(f"llama-server exited: {self.log.read()[-400:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
