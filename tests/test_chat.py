@@ -93,8 +93,10 @@ def make_session(engine, system=None):
     from treeflash.serve.chat import ChatSession
 
     out, err = io.StringIO(newline=""), io.StringIO()
-    kw = dict(max_new_tokens=MAX_NEW, temperature=0.0, **SPEC)
-    return ChatSession(engine, kw, system=system, out=out, err=err), out, err
+    from treeflash.config import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=MAX_NEW, temperature=0.0, **SPEC)
+    return ChatSession(engine, cfg, system=system, out=out, err=err), out, err
 
 
 def lines(*items):

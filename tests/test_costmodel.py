@@ -67,12 +67,12 @@ def test_engine_auto_tree_size_measures_caches_and_resolves(tmp_path, monkeypatc
     target.tokenizer.chat_template = None
     engine = Engine(target, tiny_drafter(target))
     monkeypatch.setattr(type(target), "encode", lambda self, prompt, chat=True: PROMPT)
-    choice = engine.auto_tree_size("treeflash", 3, 3, max_budget=12, tokens=8)
+    choice = engine.auto_tree_size(method="treeflash", top_m=3, top_k=3, max_budget=12, tokens=8)
     assert 1 <= choice.budget <= 12 and choice.verify_costs[1] > 0 and choice.verify_costs[0] > 0
     assert (tmp_path / "costs.json").exists()
-    assert engine.auto_tree_size("treeflash", 3, 3, max_budget=12, tokens=8) is choice  # memoised
+    assert engine.auto_tree_size(method="treeflash", top_m=3, top_k=3, max_budget=12, tokens=8) is choice  # memoised
     out = list(engine.tokens(PROMPT, method="treeflash", max_new_tokens=6, tree_size="auto", top_m=3, top_k=3,
-                             stop_ids=set()))
+                             ignore_eos=True))
     assert out == vanilla(target, PROMPT, 6)
 
 

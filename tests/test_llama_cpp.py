@@ -52,7 +52,7 @@ def test_llama_cpp_accepts_our_drafter_as_our_chain_method_does(ggufs):
         theirs += run.n_accept
         theirs_steps += run.steps
         r = engine.generate(p, method="chain", tree_size=engine.drafter.block_size, max_new_tokens=N, chat=False,
-                            stop_ids=set())
+                            ignore_eos=True)
         ours_acc += sum(r.stats.acceptance_lengths) - r.stats.steps
         ours_steps += r.stats.steps
     # accepted drafts per step (tau - 1): a drafter that llama.cpp reads wrongly accepts ~0
@@ -67,7 +67,7 @@ def test_bench_arms_in_llama_server_count_tokens_and_steps(tmp_path):
     out, every generated token accounted for by the prompt pass or a step."""
     import treeflash
     from treeflash.bench import llama_server
-    from treeflash.bench.methods import DecodeParams
+    from treeflash.config import GenerationConfig
 
     engine = treeflash.load(drafter="none", dtype="float32")
     ids = engine.target.encode(PROMPTS[0], chat=False)
@@ -77,7 +77,7 @@ def test_bench_arms_in_llama_server_count_tokens_and_steps(tmp_path):
         assert not why
         arms += got
     try:
-        outs = [arm.generate(ids, DecodeParams(32)) for arm in arms]
+        outs = [arm.generate(ids, GenerationConfig(max_new_tokens=32, seed=0)) for arm in arms]
     finally:
         for arm in arms:
             arm.close()

@@ -490,7 +490,7 @@ def test_metrics_unit_per_position_counts():
 
 # ---------------------------------------------------------------- stop strings (pure)
 def test_text_assembler_holds_back_partial_stop_strings(engine):
-    from treeflash.serve.worker import TextAssembler
+    from treeflash.decoding.text import TextAssembler
 
     tok = engine.target.tokenizer
     ids = tok("Hello world, this is a test of stop strings.", add_special_tokens=False)["input_ids"]

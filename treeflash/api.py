@@ -9,16 +9,13 @@ from typing import Iterator
 import torch
 
 from .decoding.generate import Stats, decode
-from .decoding.proposers import TreeParams, make_proposer
-from .decoding.sampling import SamplingParams
+from .config import GenerationConfig
+from .decoding.proposers import make_proposer
+from .decoding.text import TextAssembler
 from .errors import TreeflashError
 from .models import registry
 from .models.drafter import Drafter, DrafterConfig, check_fits, load_drafter
 from .models.target import Target, parse_dtype
-
-
-# TreeFlash stage 2 scores each position's top-N marginal tokens, not the whole vocabulary.
-DEFAULT_STAGE2_VOCAB = 256  # measured: same tau as the full vocabulary, 2.8x less drafting time
 
 
 @dataclass
@@ -64,86 +61,84 @@ class AutoChoice:
 
 
 class Engine:
-    stage2_vocab = DEFAULT_STAGE2_VOCAB
+    """A target and its drafter, with this engine's own backend and taps (explicit state): a target
+    cached for the process may serve several engines, and each sets what it needs before running."""
 
-    def __init__(self, target: Target, drafter: Drafter | None):
+    def __init__(self, target: Target, drafter: Drafter | None, backend: str | None = None):
         self.target, self.drafter = target, drafter
+        self.backend = backend or target.backend
         self.auto: dict[tuple, AutoChoice] = {}
         if drafter is not None:
             check_fits(drafter.config, target.config, target.vocab_rows)
             drafter.to(device=target.device, dtype=target.dtype)
-            target.set_taps(drafter.config.target_layer_ids)
+        self._bind()
 
-    def _prepare(self, prompt, method, max_new_tokens, temperature, top_p, sampling_top_k,
-                 tree_size, top_m, top_k, stage2_vocab, chat, draft_vocab=True):
-        sampling = SamplingParams(float(temperature), float(top_p), int(sampling_top_k)).check(self.target.vocab_rows)
-        stage2 = self.stage2_vocab if stage2_vocab is None else int(stage2_vocab)
-        stage2 = min(stage2, self.target.vocab_rows)
-        if tree_size == "auto":
-            tree_size = self.auto_tree_size(method, top_m, top_k, stage2).budget
-        params = TreeParams(int(tree_size), int(top_m), int(top_k), stage2, bool(draft_vocab)).check(self.target.vocab_rows)
-        proposer = make_proposer(method, self.drafter, self.target.embed, self.target.drafting_head, params)
+    def config(self, config: GenerationConfig | None = None, **overrides) -> GenerationConfig:
+        """`config` (default: `GenerationConfig()`) with `overrides`, checked against the target."""
+        cfg = config or GenerationConfig()
+        return (cfg.replace(**overrides) if overrides else cfg).check(self.target.vocab_rows)
+
+    def _bind(self) -> None:
+        """Put the shared target in this engine's state: its backend, the layers its drafter reads."""
+        if self.target.backend != self.backend:
+            self.target.set_backend(self.backend)
+            self.backend = self.target.backend  # "auto" resolves to a concrete path
+        if self.drafter is not None and self.target.tap_ids != self.drafter.config.target_layer_ids:
+            self.target.set_taps(self.drafter.config.target_layer_ids)
+
+    def _prepare(self, prompt, cfg: GenerationConfig, chat: bool = True):
+        """(prompt ids, sampling, proposer) for one generation."""
+        self._bind()
+        vocab = self.target.vocab_rows
+        budget = self.auto_tree_size(cfg).budget if cfg.tree_size == "auto" else cfg.tree_size
+        proposer = make_proposer(cfg.method, self.drafter, self.target.embed, self.target.drafting_head,
+                                 cfg.tree(vocab, budget))
         if self.drafter is not None:  # the compiled backend compiles the drafter's block pass too
             self.drafter.compile_drafting(self.target.backend == "compiled")
-        ids = self.target.encode(prompt, chat=chat)
-        if len(ids) >= self.target.max_length:
-            raise TreeflashError(f"prompt has {len(ids)} tokens; the context window is {self.target.max_length}")
-        if int(max_new_tokens) < 1:
-            raise TreeflashError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        return ids, sampling, proposer
+        return self.target.encode(prompt, chat=chat), cfg.sampling(vocab), proposer
 
-    def tokens(self, prompt, method: str = "treeflash", max_new_tokens: int = 256, temperature: float = 0.0,
-               top_p: float = 1.0, sampling_top_k: int = 0, tree_size: int | str = 8, top_m: int = 8,
-               top_k: int = 8, seed: int | None = None, chat: bool = True, stats: Stats | None = None,
-               stop_ids: set[int] | None = None, stage2_vocab: int | None = None,
-               draft_vocab: bool = True) -> Iterator[int]:
-        """Yield new token ids (prompt: text, chat messages, or token ids).
-
-        stage2_vocab: TreeFlash stage-2 columns per position (0 = full vocabulary; None = the
-        engine's default, `Engine.stage2_vocab`). draft_vocab: propose only from the drafter's
-        draft vocabulary, when it ships one (False: the whole vocabulary)."""
-        ids, sampling, proposer = self._prepare(prompt, method, max_new_tokens, temperature, top_p,
-                                                sampling_top_k, tree_size, top_m, top_k, stage2_vocab, chat,
-                                                draft_vocab)
-        self._tap_target()
+    def tokens(self, prompt, config: GenerationConfig | None = None, *, chat: bool = True,
+               stats: Stats | None = None, **overrides) -> Iterator[int]:
+        """Yield new token ids (prompt: text, chat messages, or token ids). `config` and keyword
+        overrides of its fields (`method=`, `tree_size=`, ...) say how; see `GenerationConfig`.
+        Stop strings are not applied here (token ids): `stream` and `generate` apply them."""
+        cfg = self.config(config, **overrides)
+        ids, sampling, proposer = self._prepare(prompt, cfg, chat)
         # compile now what this generation will run: a tree of any size up to the budget (the root
         # alone at the end; lookup trees are as large as the text's repeats)
         self.target.warm(range(1, proposer.params.budget + 1))
         with torch.no_grad():
-            yield from decode(self.target, proposer, ids, int(max_new_tokens), sampling, seed, stats, stop_ids)
+            yield from decode(self.target, proposer, ids, cfg.max_new_tokens, sampling, cfg.seed, stats,
+                              set() if cfg.ignore_eos else None)
 
-    def _tap_target(self) -> None:
-        """A shared target serves several engines: tap the layers this engine's drafter reads."""
-        if self.drafter is not None and self.target.tap_ids != self.drafter.config.target_layer_ids:
-            self.target.set_taps(self.drafter.config.target_layer_ids)
-
-    def auto_tree_size(self, method: str = "treeflash", top_m: int = 8, top_k: int = 8,
-                       stage2_vocab: int | None = None, max_budget: int = 64, tokens: int = 48) -> AutoChoice:
+    def auto_tree_size(self, config: GenerationConfig | None = None, max_budget: int = 64, tokens: int = 48,
+                       **overrides) -> AutoChoice:
         """The budget maximising expected tokens/s on this machine (`costmodel.best_budget`): the
         target's verify cost per tree size (measured once, cached on disk), and this drafter's
         acceptance of each best-first node, measured by a short calibration run at `max_budget`, and
-        its drafting cost, measured at `max_budget` and at 2. Memoised per engine and method."""
+        its drafting cost, measured at `max_budget` and at 2. Memoised per engine and tree options."""
         from .decoding import costmodel
 
-        key = (method, top_m, top_k, stage2_vocab, self.target.backend, torch.get_num_threads())
+        cfg = (config or GenerationConfig()).replace(**overrides)
+        self._bind()
+        key = (cfg.method, cfg.top_m, cfg.top_k, cfg.stage2_vocab, cfg.draft_vocab, self.target.backend,
+               torch.get_num_threads())
         if key in self.auto:
             return self.auto[key]
+        method = cfg.method
         if method == "vanilla" or (self.drafter is None and method != "lookup"):
             choice = AutoChoice(method, 1, 0.0, 1.0, 0.0, {})
         else:
-            self._tap_target()  # the cost of a forward includes this drafter's taps
-            costs = costmodel.measure(self.target)
+            costs = costmodel.measure(self.target)  # with this drafter's taps: they are part of a forward
+            calib = cfg.replace(temperature=0.0, stop=(), seed=None, ignore_eos=True)
             # untimed first: compiling (the compiled backend) must not count as drafting time; long
             # enough for full blocks and the shorter ones at the end (each a drafter shape)
-            for _ in self.tokens(CALIBRATION_PROMPTS[0], method=method, max_new_tokens=24, tree_size=max_budget,
-                                 top_m=top_m, top_k=top_k, stage2_vocab=stage2_vocab, stop_ids=set()):
+            for _ in self.tokens(CALIBRATION_PROMPTS[0], calib, max_new_tokens=24, tree_size=max_budget):
                 pass
             stats, small = Stats(), Stats()
             for prompt in CALIBRATION_PROMPTS:
                 for budget, st in ((max_budget, stats), (2, small)):
-                    for _ in self.tokens(prompt, method=method, max_new_tokens=tokens, tree_size=budget,
-                                         top_m=top_m, top_k=top_k, stage2_vocab=stage2_vocab, stats=st,
-                                         stop_ids=set()):
+                    for _ in self.tokens(prompt, calib, max_new_tokens=tokens, tree_size=budget, stats=st):
                         pass
             # drafting cost per step at budget 2 and at max_budget (the heads run as deep as the
             # budget reaches, so small budgets draft for less), linear in between by head depth
@@ -159,27 +154,54 @@ class Engine:
         self.auto[key] = choice
         return choice
 
-    def stream(self, prompt, stats: Stats | None = None, **kw) -> Iterator[str]:
-        """Yield text pieces as they are decoded (stop tokens are not shown)."""
-        tok = self.target.tokenizer
-        out, shown = [], ""
-        stop = self.target.stop_ids()
-        for t in self.tokens(prompt, stats=stats, **kw):
-            if t in stop:
-                continue
-            out.append(t)
-            text = tok.decode(out, skip_special_tokens=True)
-            if text.endswith("\ufffd"):
-                continue  # an incomplete UTF-8 sequence: wait for the next token
-            yield text[len(shown):]
-            shown = text
+    def _pieces(self, prompt, cfg: GenerationConfig, chat: bool, stats: Stats | None,
+                text: TextAssembler) -> Iterator[str]:
+        tokens = self.tokens(prompt, cfg, chat=chat, stats=stats)
+        try:
+            for t in tokens:
+                piece = text.add(t)
+                if piece:
+                    yield piece
+                if text.stopped:
+                    return
+        finally:
+            tokens.close()  # a stop string or an early close: stop decoding now
+        tail = text.flush()
+        if tail:
+            yield tail
 
-    def generate(self, prompt, **kw) -> Result:
-        stats = Stats()
-        ids = list(self.tokens(prompt, stats=stats, **kw))
-        text = self.target.tokenizer.decode([t for t in ids if t not in self.target.stop_ids()],
-                                            skip_special_tokens=True)
-        return Result(text, ids, stats)
+    def _assembler(self, cfg: GenerationConfig) -> TextAssembler:
+        return TextAssembler(self.target.tokenizer, self.target.stop_ids(), list(cfg.stop))
+
+    def stream(self, prompt, config: GenerationConfig | None = None, *, chat: bool = True,
+               stats: Stats | None = None, **overrides) -> Iterator[str]:
+        """Yield text pieces as they are decoded (stop tokens are not shown; a stop string ends the
+        answer and is not shown either)."""
+        cfg = self.config(config, **overrides)
+        yield from self._pieces(prompt, cfg, chat, stats, self._assembler(cfg))
+
+    def generate(self, prompt, config: GenerationConfig | None = None, *, chat: bool = True,
+                 **overrides) -> Result:
+        cfg = self.config(config, **overrides)
+        stats, text = Stats(), self._assembler(cfg)
+        ids: list[int] = []
+        for _ in self._pieces(prompt, cfg, chat, stats, _Recorder(text, ids)):
+            pass
+        return Result(text.final_text(), ids, stats)
+
+
+class _Recorder:
+    """A TextAssembler that also keeps every token id it is given (for `Result.token_ids`)."""
+
+    def __init__(self, text: TextAssembler, ids: list[int]):
+        self.text, self.ids = text, ids
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        return self.text.add(token)
+
+    def __getattr__(self, name):
+        return getattr(self.text, name)
 
 
 def default_device() -> str:
@@ -213,13 +235,11 @@ def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = 
     "none" -> no drafter (vanilla decoding only). dtype "auto": bf16 where the hardware computes
     it natively, else fp32. device: "cpu", "cuda", or None / "auto": "cuda" when a GPU is present,
     else "cpu". backend: the
-    target's forward path (`Target.set_backend`): auto | hf | static | compiled; it belongs to the
-    (cached, shared) target, so the last engine loaded sets it. quantize: "none" | "int8" |
+    target's forward path (`Target.set_backend`): auto | hf | static | compiled; it is the engine's
+    own (the target, cached and shared, is put in each engine's state before it runs). quantize: "none" | "int8" |
     "int4" (weight-only quantized target on CPU; this changes the target, see `models/quant.py`).
     """
     tgt = _load_target(target, parse_dtype(dtype), check_device(device), quantize)
-    if backend != tgt.backend:
-        tgt.set_backend(backend)
     if isinstance(drafter, Drafter):
         d = drafter
     elif drafter == "none":
@@ -235,4 +255,4 @@ def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = 
             d = random_drafter(tgt, seed=seed)
         else:
             d = load_drafter(path, dtype=tgt.dtype)
-    return Engine(tgt, d)
+    return Engine(tgt, d, backend)

@@ -30,37 +30,14 @@ COMMANDS = {
 SUBCOMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
 
 
-def tree_size_arg(value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
-
-
-def add_engine_args(p: argparse.ArgumentParser, method_default: str = "treeflash") -> None:
-    """Options shared by every command that builds an engine (generate, bench, serve, chat)."""
-    from .decoding.proposers import METHODS
-
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """What to load and where: options of every command that builds an engine."""
     p.add_argument("--target", default="smollm2-135m",
                    help="built-in name, Hugging Face repository id (org/name[@revision]), HF model directory or .gguf file")
     p.add_argument("--drafter", default=None,
                    help="drafter directory or repository id, 'random', or 'none' (default: the drafter shipped for the target)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the models run (auto: CUDA when torch sees a GPU, else the CPU)")
-    p.add_argument("--method", default=method_default, choices=METHODS)
-    p.add_argument("--tree-size", type=tree_size_arg, default=8,
-                   help="nodes verified per step, root included (default 8: measured fastest with --tree-size 4 "
-                        "on this project's 2-core CPU, see docs/performance.md); auto: the budget that maximises expected "
-                        "tokens/s here, from the target's measured verify cost (cached per machine) and a "
-                        "short calibration of the drafter's acceptance")
-    p.add_argument("--top-m", type=int, default=8, help="TreeFlash stage-1 candidates per position")
-    p.add_argument("--top-k", type=int, default=8, help="TreeFlash stage-2 children per candidate")
-    p.add_argument("--stage2-vocab", type=int, default=None,
-                   help="TreeFlash stage 2 scores each position's top-N marginal tokens (0 = all)")
-    p.add_argument("--draft-vocab", action=argparse.BooleanOptionalAction, default=True,
-                   help="propose only from the drafter's draft vocabulary when it ships one (default on)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bf16 where the CPU/GPU computes it natively (fast), else fp32 (exact tests use fp32)")
     p.add_argument("--backend", default="auto", choices=["auto", "hf", "static", "compiled"],
@@ -70,14 +47,22 @@ def add_engine_args(p: argparse.ArgumentParser, method_default: str = "treeflash
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="int8 / int4: weight-only quantized target on CPU (faster, but a different target: "
                         "its greedy output differs from the unquantized model's on some tokens)")
-    p.add_argument("--seed", type=int, default=None)
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--sampling-top-k", type=int, default=0, help="sampling top-k (0 = off)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+def add_engine_args(p: argparse.ArgumentParser, **defaults) -> None:
+    """Model options and every `GenerationConfig` field (generate, serve, chat)."""
+    from .config import GenerationConfig
+
+    add_model_args(p)
+    GenerationConfig.add_args(p, **defaults)
+
+
+def load_engine(args, **kw):
+    """The engine the model options in `args` name."""
+    from . import api
+
+    return api.load(args.target, args.drafter, dtype=args.dtype, seed=getattr(args, "seed", None) or 0,
+                    backend=args.backend, quantize=args.quantize, device=args.device, **kw)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ def _csv(value: str) -> list[str]:
 
 
 def _sizes(value: str) -> list[int | str]:
-    from ..cli import tree_size_arg
+    from ..config import tree_size_arg
 
     try:
         return [tree_size_arg(v) for v in _csv(value)]
@@ -19,6 +19,7 @@ def _sizes(value: str) -> list[int | str]:
 
 
 def register(sub) -> None:
+    from ..config import GenerationConfig
     from .datasets import DATASETS
     from .methods import ALL_METHODS
 
@@ -29,15 +30,12 @@ def register(sub) -> None:
                    help=f"comma list of {', '.join(ALL_METHODS)} (default: all but hf-assisted, which needs "
                         "--assistant)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (default 20)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
     p.add_argument("--tree-size", type=_sizes, default=None,
                    help="nodes verified per step; a comma list (e.g. 4,8,16,32,auto) sweeps the budget; auto picks "
                         "each method's best budget on this machine (see treeflash generate --help); default 16")
-    p.add_argument("--top-m", type=int, default=8, help="TreeFlash stage-1 candidates per position")
-    p.add_argument("--top-k", type=int, default=8, help="TreeFlash stage-2 children per candidate")
-    p.add_argument("--stage2-vocab", type=int, default=None,
-                   help="TreeFlash stage 2 scores each position's top-N marginal tokens (0 = all; default: engine's)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    # every generation option but the arm's own (method, tree size), the bench seed, and stop strings
+    # and ignore_eos (the peers honour neither); absent options keep the preset's value (--quick: 32)
+    GenerationConfig.add_args(p, exclude=("method", "tree_size", "seed", "stop", "ignore_eos"), suppress=True)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--backend", default="auto", choices=["auto", "hf", "static", "compiled"],
                    help="target forward path for our methods (see treeflash generate --help)")
@@ -62,20 +60,22 @@ def register(sub) -> None:
 
 
 def config_from_args(args):
+    from ..config import GenerationConfig
     from .runner import QUICK, BenchConfig
 
     cfg = BenchConfig()
     if args.quick:
         for k, v in QUICK.items():
             setattr(cfg, k, list(v) if isinstance(v, list) else v)
+    cfg.generation = GenerationConfig.from_args(args, cfg.generation)
     explicit = {"datasets": args.datasets, "methods": args.methods, "num_prompts": args.num_prompts,
-                "max_new_tokens": args.max_new_tokens, "tree_sizes": args.tree_size}
+                "tree_sizes": args.tree_size}
     for k, v in explicit.items():
         if v is not None:
             setattr(cfg, k, v)
     if args.assistant and args.methods is None and "hf-assisted" not in cfg.methods:
         cfg.methods = cfg.methods + ["hf-assisted"]
-    for k in ("temperature", "dtype", "backend", "quantize", "target", "drafter", "device", "assistant", "seed", "top_m", "top_k", "stage2_vocab", "repeats",
+    for k in ("dtype", "backend", "quantize", "target", "drafter", "device", "assistant", "seed", "repeats",
               "warmup", "humaneval_timeout", "threads", "out"):
         setattr(cfg, k, getattr(args, k))
     return cfg.validate()

@@ -81,7 +81,7 @@ class LlamaServerMethod(Method):
         if self.proc is None:
             self._start()
         body = {"prompt": list(map(int, prompt_ids)), "n_predict": p.max_new_tokens, "temperature": 0.0,
-                "top_k": 1, "return_tokens": True, "cache_prompt": False, "seed": p.seed}
+                "top_k": 1, "return_tokens": True, "cache_prompt": False, "seed": p.seed or 0}
         req = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:

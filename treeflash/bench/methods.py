@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import GenerationConfig
 from ..decoding.generate import Stats
 from ..decoding.proposers import METHODS as ENGINE_METHODS
 from ..errors import TreeflashError
@@ -30,16 +31,6 @@ HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted")
 LLAMA_SERVER_METHODS = ("llama-cpp-bf16", "llama-cpp-dflash", "llama-cpp-dflash-q4")  # bench/llama_server.py
 ALL_METHODS = ENGINE_METHODS + HF_METHODS + ("llama-cpp",) + LLAMA_SERVER_METHODS
 PROMPT_LOOKUP_TOKENS = 10  # HF's documented default suggestion for prompt lookup
-
-
-@dataclass
-class DecodeParams:
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_m: int = 8
-    top_k: int = 8
-    seed: int = 0
-    stage2_vocab: int | None = None  # TreeFlash stage-2 columns per position (None: the engine's default)
 
 
 @dataclass
@@ -56,7 +47,7 @@ class Method:
     def label(self) -> str:
         return self.name if self.tree_size is None else f"{self.name}@{self.tree_size}"
 
-    def generate(self, prompt_ids: list[int], p: DecodeParams) -> Generation:
+    def generate(self, prompt_ids: list[int], p: GenerationConfig) -> Generation:
         raise NotImplementedError
 
 
@@ -67,9 +58,7 @@ class EngineMethod(Method):
         self.engine, self.name, self.tree_size = engine, name, tree_size
 
     def generate(self, prompt_ids, p):
-        r = self.engine.generate(list(prompt_ids), method=self.name, max_new_tokens=p.max_new_tokens,
-                                 temperature=p.temperature, tree_size=self.tree_size or 1, top_m=p.top_m,
-                                 top_k=p.top_k, seed=p.seed, stage2_vocab=p.stage2_vocab)
+        r = self.engine.generate(list(prompt_ids), p, method=self.name, tree_size=self.tree_size or 1)
         return Generation(r.token_ids, r.stats)
 
 
@@ -116,22 +105,22 @@ class HFMethod(Method):
         self.eos, self.pad = stop, (target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None
                                     else stop[0])
 
-    def generation_config(self, p: DecodeParams):
-        from transformers import GenerationConfig
+    def generation_config(self, p: GenerationConfig):
+        import transformers
 
         kw = dict(max_new_tokens=p.max_new_tokens, eos_token_id=self.eos, pad_token_id=self.pad)
         if p.temperature > 0:
-            kw.update(do_sample=True, temperature=p.temperature, top_k=0, top_p=1.0)
+            kw.update(do_sample=True, temperature=p.temperature, top_k=p.sampling_top_k, top_p=p.top_p)
         else:
             kw.update(do_sample=False)
         if self.name == "hf-prompt-lookup":
             kw["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
-        return GenerationConfig(**kw)
+        return transformers.GenerationConfig(**kw)
 
     def generate(self, prompt_ids, p):
         x = torch.tensor([list(prompt_ids)])  # [1, P]
         extra = {"assistant_model": self.assistant} if self.name == "hf-assisted" else {}
-        torch.manual_seed(p.seed)
+        torch.manual_seed(p.seed or 0)
         log = ForwardLog(self.target.model)
         try:
             t0 = time.perf_counter()
@@ -165,7 +154,8 @@ class LlamaCppMethod(Method):
         new: list[int] = []
         stats = Stats(prompt_tokens=len(prompt_ids))
         t0 = time.perf_counter()
-        kw = {"temp": p.temperature, "top_k": 0, "top_p": 1.0} if p.temperature > 0 else {"temp": 0.0, "top_k": 1}
+        kw = ({"temp": p.temperature, "top_k": p.sampling_top_k, "top_p": p.top_p} if p.temperature > 0
+              else {"temp": 0.0, "top_k": 1})
         for tok in self.llm.generate(list(prompt_ids), reset=True, **kw):
             new.append(int(tok))
             if tok in self.stop_ids or len(new) >= p.max_new_tokens:
@@ -208,13 +198,12 @@ def load_assistant(name_or_path: str, target):
     return asst.model
 
 
-def resolve_sizes(engine, name: str, tree_sizes: list, p: DecodeParams | None, notes: list[str]) -> list[int]:
+def resolve_sizes(engine, name: str, tree_sizes: list, p: GenerationConfig | None, notes: list[str]) -> list[int]:
     """The budgets of one tree method; "auto" becomes the engine's measured choice (noted)."""
     out: list[int] = []
     for b in tree_sizes:
         if b == "auto":
-            kw = {} if p is None else dict(top_m=p.top_m, top_k=p.top_k, stage2_vocab=p.stage2_vocab)
-            choice = engine.auto_tree_size(name, **kw)
+            choice = engine.auto_tree_size(p, method=name)
             notes.append(choice.summary())
             b = choice.budget
         if b not in out:
@@ -223,7 +212,7 @@ def resolve_sizes(engine, name: str, tree_sizes: list, p: DecodeParams | None, n
 
 
 def build_methods(engine, names: list[str], tree_sizes: list, target_name: str, assistant_model=None,
-                  threads: int | None = None, params: DecodeParams | None = None) -> tuple[list[Method], list[str]]:
+                  threads: int | None = None, params: GenerationConfig | None = None) -> tuple[list[Method], list[str]]:
     """One Method per arm (tree methods once per budget), in the requested order; plus skip notes."""
     arms: list[Method] = []
     notes: list[str] = []

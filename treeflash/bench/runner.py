@@ -5,7 +5,6 @@ prompt x arm: all its turns (MT-Bench asks turn 2 after the arm's own turn-1 ans
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 import shlex
@@ -17,14 +16,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..config import GenerationConfig
 from ..decoding.generate import Stats
 from ..decoding.proposers import DRAFTER_METHODS
 from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
 from .datasets import DATASETS, Sample, sample_prompts
-from .methods import ALL_METHODS, TREE_METHODS, DecodeParams, Generation, Method, build_methods
+from .methods import ALL_METHODS, TREE_METHODS, Generation, Method, build_methods
 
-QUICK = dict(datasets=["humaneval", "gsm8k", "mt-bench"], num_prompts=2, max_new_tokens=32,
+QUICK = dict(datasets=["humaneval", "gsm8k", "mt-bench"], num_prompts=2, generation=GenerationConfig(max_new_tokens=32),
              methods=["vanilla", "chain", "marginal", "treeflash", "hf-generate", "hf-prompt-lookup", "llama-cpp"],
              tree_sizes=[16])
 
@@ -35,9 +35,9 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: ["vanilla", "chain", "marginal", "treeflash",
                                                         "hf-generate", "hf-prompt-lookup", "llama-cpp"])
     num_prompts: int = 20
-    max_new_tokens: int = 256
     tree_sizes: list = field(default_factory=lambda: [16])  # ints and/or "auto"
-    temperature: float = 0.0
+    # how every arm generates (its method and tree size are the arm's; its seed is `seed`)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     dtype: str = "bfloat16"
     backend: str = "auto"  # the target forward path (Target.set_backend)
     quantize: str = "none"  # "int8" / "int4": weight-only quantized target (a different target; see models/quant.py)
@@ -45,10 +45,7 @@ class BenchConfig:
     drafter: str | None = None
     device: str = "auto"  # auto: CUDA when torch sees a GPU
     assistant: str | None = None
-    seed: int = 0
-    top_m: int = 8
-    top_k: int = 8
-    stage2_vocab: int | None = None
+    seed: int = 0  # prompt sampling and sampling seed
     repeats: int = 1
     warmup: bool = True
     humaneval_timeout: float = 3.0
@@ -70,13 +67,13 @@ class BenchConfig:
             raise TreeflashError("a dataset or method is listed twice")
         if self.num_prompts < 1:
             raise TreeflashError(f"--num-prompts must be >= 1, got {self.num_prompts}")
-        if self.max_new_tokens < 1:
-            raise TreeflashError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.generation.max_new_tokens < 1:
+            raise TreeflashError(f"--max-new-tokens must be >= 1, got {self.generation.max_new_tokens}")
         numeric = [b for b in self.tree_sizes if b != "auto"]
         if not self.tree_sizes or any(not isinstance(b, int) for b in numeric) or (numeric and min(numeric) < 1):
             raise TreeflashError(f"--tree-size values must be >= 1, got {self.tree_sizes}")
-        if self.temperature < 0:
-            raise TreeflashError(f"--temperature must be >= 0, got {self.temperature}")
+        if not self.generation.temperature >= 0:
+            raise TreeflashError(f"--temperature must be >= 0, got {self.generation.temperature}")
         if self.threads is not None and self.threads < 1:
             raise TreeflashError(f"--threads must be >= 1, got {self.threads}")
         if self.repeats < 1:
@@ -87,8 +84,27 @@ class BenchConfig:
         return self
 
     @property
+    def max_new_tokens(self) -> int:
+        return self.generation.max_new_tokens
+
+    @property
+    def temperature(self) -> float:
+        return self.generation.temperature
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def decode_config(self) -> GenerationConfig:
+        """What every arm runs with (each arm sets its own method and tree size)."""
+        return self.generation.replace(seed=self.seed)
+
+    def summary(self) -> dict:
+        """The config as results.json records it (generation fields at the top level)."""
+        d = asdict(self)
+        gen = d.pop("generation")
+        gen = {k: v for k, v in gen.items() if k not in ("method", "tree_size", "seed")}
+        return {**d, **gen, "stop": list(self.generation.stop), "greedy": self.greedy}
 
     @property
     def needs_drafter(self) -> bool:
@@ -111,7 +127,7 @@ class Record:
         return [t["token_ids"] for t in self.turns]
 
 
-def run_turns(method: Method, sample: Sample, target, p: DecodeParams, repeats: int, bar) -> Record:
+def run_turns(method: Method, sample: Sample, target, p: GenerationConfig, repeats: int, bar) -> Record:
     """All turns of one sample; later turns see this method's own earlier answers."""
     messages: list[dict] = []
     turns, stats = [], []
@@ -126,7 +142,7 @@ def run_turns(method: Method, sample: Sample, target, p: DecodeParams, repeats: 
     return Record(sample.dataset, sample.id, method.name, method.tree_size, turns, stats)
 
 
-def median_run(method: Method, ids: list[int], p: DecodeParams, repeats: int, bar) -> Generation:
+def median_run(method: Method, ids: list[int], p: GenerationConfig, repeats: int, bar) -> Generation:
     """Run `repeats` times; keep the run with the median wall time (outputs agree under greedy)."""
     runs = []
     for _ in range(repeats):
@@ -141,10 +157,10 @@ def decode_text(target, token_ids: list[int]) -> str:
     return target.tokenizer.decode([t for t in token_ids if t not in stop], skip_special_tokens=True)
 
 
-def warm_up(arms: list[Method], target, p: DecodeParams) -> None:
+def warm_up(arms: list[Method], target, p: GenerationConfig) -> None:
     """One short untimed generation per arm (first-call allocations, thread pools, caches)."""
     ids = target.encode([{"role": "user", "content": "Say hello."}])
-    short = dataclasses.replace(p, max_new_tokens=min(8, p.max_new_tokens))
+    short = p.replace(max_new_tokens=min(8, p.max_new_tokens))
     for arm in tqdm(arms, desc="warm-up", leave=False, file=sys.stderr):
         arm.generate(ids, short)
 
@@ -174,7 +190,7 @@ def run_bench(cfg: BenchConfig, engine=None) -> dict:
     load_start = os.getloadavg()
     engine = engine if engine is not None else load_engine(cfg)
     assistant = load_assistant(cfg.assistant, engine.target) if "hf-assisted" in cfg.methods else None
-    p = DecodeParams(cfg.max_new_tokens, cfg.temperature, cfg.top_m, cfg.top_k, cfg.seed, cfg.stage2_vocab)
+    p = engine.config(cfg.decode_config(), method="vanilla", tree_size=1)  # bad values fail before any arm runs
     arms, notes = build_methods(engine, cfg.methods, cfg.tree_sizes, cfg.target, assistant, cfg.threads, p)
     if not arms:
         raise TreeflashError("none of the requested methods can run here: " + "; ".join(notes))
@@ -195,7 +211,7 @@ def run_bench(cfg: BenchConfig, engine=None) -> dict:
     if cfg.quantize != "none" and cfg.greedy:
         notes.append(quantization_agreement(cfg, records))
     results = aggregate(cfg, records, samples, notes)
-    results["config"] = {**asdict(cfg), "greedy": cfg.greedy}
+    results["config"] = cfg.summary()
     results["machine"] = machine_info(load_start)
     results["versions"] = versions()
     results["wall_s"] = round(wall, 2)

@@ -139,7 +139,7 @@ def bench(engine, prompts: list[list[int]], budgets, max_new: int = 128) -> list
             tokens = steps = 0
             secs = 0.0
             for ids in prompts:
-                r = engine.generate(ids, method=method, tree_size=b, max_new_tokens=max_new, stop_ids=set())
+                r = engine.generate(ids, method=method, tree_size=b, max_new_tokens=max_new, ignore_eos=True)
                 tokens += r.stats.new_tokens
                 steps += r.stats.steps
                 secs += r.stats.total_s

@@ -24,7 +24,6 @@ from .schemas import (MAX_STOP, MAX_STOP_CHARS, ApiError, ChatCompletionRequest,
                       GenerationRequest, chat_chunk, chat_response, completion_response, error_body, new_id, usage)
 from .worker import Done, Job, ServeConfig, Worker
 
-GREEDY_BELOW = 1e-5  # smaller temperatures overflow logits / T; treat them as greedy (as vLLM does)
 CHARS_PER_TOKEN_BOUND = 64  # a prompt longer than this many chars per allowed token is refused untokenised
 ERROR_RESPONSES = {400: {"description": "bad request (OpenAI-style JSON error)"},
                    401: {"description": "missing or wrong API key"},
@@ -80,21 +79,17 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         if req.model is not None and req.model != config.model_name:
             raise ApiError(404, f"model {req.model!r} does not exist; this server serves {config.model_name!r}",
                            param="model", code="model_not_found")
-        max_tokens = req.token_limit() or config.default_max_tokens
-        if max_tokens > config.max_tokens_limit:
-            raise ApiError(400, f"max_tokens is {max_tokens}; this server allows at most {config.max_tokens_limit}",
-                           param="max_tokens", code="max_tokens_too_large")
-        stops = req.stop_list()
-        if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+        gen = req.generation_config(config.generation)
+        if gen.max_new_tokens > config.max_tokens_limit:
+            raise ApiError(400, f"max_tokens is {gen.max_new_tokens}; this server allows at most "
+                           f"{config.max_tokens_limit}", param="max_tokens", code="max_tokens_too_large")
+        if len(gen.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in gen.stop):
             raise ApiError(400, f"at most {MAX_STOP} stop sequences of at most {MAX_STOP_CHARS} characters",
                            param="stop")
         _check_prompt_size(prompt, config.max_prompt_tokens or max_context, param)
         _check_unicode(prompt, param)
-        _check_unicode(stops, "stop")
-        return Job(prompt=prompt, chat=chat, param=param, max_tokens=max_tokens,
-                   temperature=_temperature(config.temperature if req.temperature is None else req.temperature),
-                   top_p=config.top_p if req.top_p is None else req.top_p, seed=req.seed, stop=stops,
-                   loop=asyncio.get_running_loop())
+        _check_unicode(list(gen.stop), "stop")
+        return Job(prompt=prompt, chat=chat, param=param, config=gen, loop=asyncio.get_running_loop())
 
     async def start(job: Job, request: Request):
         """Queue the job and wait for its first event; errors before the first token raise."""
@@ -267,10 +262,6 @@ def _check_prompt_size(prompt, max_tokens: int, param: str) -> None:
     if n > CHARS_PER_TOKEN_BOUND * max_tokens:
         raise ApiError(400, f"the prompt has {n} characters, far over the {max_tokens}-token limit",
                        param=param, code="context_length_exceeded")
-
-
-def _temperature(t: float) -> float:
-    return 0.0 if t < GREEDY_BELOW else t
 
 
 def _check_unicode(value, param: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, TextIO
 
+from ..config import GenerationConfig
 from ..decoding.generate import Stats
 from ..errors import TreeflashError
 
@@ -13,10 +14,10 @@ HELP = "commands: /reset clears the conversation, /exit quits (so does Ctrl-D)"
 class ChatSession:
     """History of chat messages; each answer is rendered by the target's chat template."""
 
-    def __init__(self, engine, gen_kwargs: dict, system: str | None = None,
-                 out: TextIO = sys.stdout, err: TextIO = sys.stderr):
-        self.engine, self.gen_kwargs, self.system = engine, gen_kwargs, system
-        self.out, self.err = out, err
+    def __init__(self, engine, config: GenerationConfig, system: str | None = None,
+                 out: TextIO | None = None, err: TextIO | None = None):
+        self.engine, self.config, self.system = engine, config, system
+        self.out, self.err = out or sys.stdout, err or sys.stderr  # the streams of now, not of import time
         self.history: list[dict] = []
         self.reset()
 
@@ -28,7 +29,7 @@ class ChatSession:
         self.history.append({"role": "user", "content": user_text})
         stats, pieces = Stats(), []
         try:
-            for piece in self.engine.stream(self.history, stats=stats, **self.gen_kwargs):
+            for piece in self.engine.stream(self.history, self.config, stats=stats):
                 pieces.append(piece)
                 self.out.write(piece)
                 self.out.flush()

@@ -10,11 +10,10 @@ from ..errors import TreeflashError
 
 
 def register(sub) -> None:
-    from ..cli import add_engine_args, add_sampling_args
+    from ..cli import add_engine_args
 
     p = sub.add_parser("serve", help="serve the OpenAI API (chat/completions, completions, models, metrics)")
-    add_engine_args(p)
-    add_sampling_args(p)  # the defaults for requests that leave these fields out
+    add_engine_args(p)  # the sampling options are the defaults for requests that leave them out
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -29,17 +28,14 @@ def register(sub) -> None:
 
     c = sub.add_parser("chat", help="chat in the terminal (streaming, multi-turn; /reset, /exit)")
     add_engine_args(c)
-    add_sampling_args(c)
     c.add_argument("--system", default=None, help="a system message for the conversation")
     c.set_defaults(func=run_chat)
 
 
 def _load_engine(args):
-    from .. import api
+    from ..cli import load_engine
 
-    return api.load(args.target, args.drafter, dtype=args.dtype, seed=args.seed or 0, backend=args.backend, quantize=args.quantize,
-                    device=args.device,
-                    quiet=args.method in ("vanilla", "lookup"))
+    return load_engine(args, quiet=args.method in ("vanilla", "lookup"))
 
 
 def _check_bind(host: str, port: int) -> None:
@@ -66,6 +62,8 @@ def _is_loopback(host: str) -> bool:
 
 
 def _config(args, model_name: str):
+    """The server's settings; its GenerationConfig is checked against the engine later (`_warm_up`)."""
+    from ..config import GenerationConfig
     from .worker import ServeConfig
 
     for name in ("max_tokens_limit", "max_new_tokens", "max_queue"):
@@ -75,20 +73,14 @@ def _config(args, model_name: str):
         raise TreeflashError(f"--max-new-tokens {args.max_new_tokens} exceeds --max-tokens-limit {args.max_tokens_limit}")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise TreeflashError("--max-prompt-tokens must be >= 1")
-    return ServeConfig(model_name=model_name, method=args.method, tree_size=args.tree_size, top_m=args.top_m,
-                       top_k=args.top_k, temperature=args.temperature, top_p=args.top_p,
-                       sampling_top_k=args.sampling_top_k, default_max_tokens=args.max_new_tokens,
+    return ServeConfig(model_name=model_name, generation=GenerationConfig.from_args(args),
                        max_tokens_limit=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
-                       api_key=args.api_key, max_queue=args.max_queue, hold_file=args.hold_file,
-                       stage2_vocab=args.stage2_vocab, draft_vocab=args.draft_vocab)
+                       api_key=args.api_key, max_queue=args.max_queue, hold_file=args.hold_file)
 
 
 def _warm_up(engine, config) -> None:
     """One tiny generation with the server's settings: bad options fail here, not per request."""
-    engine.generate("Hello", chat=False, method=config.method, max_new_tokens=2,
-                    temperature=config.temperature, top_p=config.top_p, sampling_top_k=config.sampling_top_k,
-                    tree_size=config.tree_size, top_m=config.top_m, top_k=config.top_k,
-                    stage2_vocab=config.stage2_vocab, draft_vocab=config.draft_vocab)
+    engine.generate("Hello", config.generation, chat=False, max_new_tokens=2)
 
 
 def run_serve(args) -> int:
@@ -103,14 +95,12 @@ def run_serve(args) -> int:
     if not _is_loopback(args.host) and not args.api_key:
         print(f"treeflash: warning: serving on {args.host} without --api-key", file=sys.stderr)
     engine = _load_engine(args)
-    if args.tree_size == "auto":
-        from ..cli_generate import resolve_tree_size
+    from ..cli_generate import generation_config
 
-        resolve_tree_size(engine, args)
-        config.tree_size = args.tree_size
+    config.generation = generation_config(engine, args)  # checked; --tree-size auto resolved
     _warm_up(engine, config)
     app = create_app(engine, config)
-    print(f"treeflash: serving {config.model_name!r} ({args.method}, tree size {args.tree_size}) "
+    print(f"treeflash: serving {config.model_name!r} ({args.method}, tree size {config.generation.tree_size}) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5)
@@ -118,11 +108,10 @@ def run_serve(args) -> int:
 
 
 def run_chat(args) -> int:
-    from ..cli_generate import engine_kwargs, resolve_tree_size
+    from ..cli_generate import generation_config
     from .chat import HELP, ChatSession, line_reader
 
     engine = _load_engine(args)
-    resolve_tree_size(engine, args)
-    session = ChatSession(engine, engine_kwargs(args), system=args.system)
+    session = ChatSession(engine, generation_config(engine, args), system=args.system)
     print(f"treeflash chat: {args.target} ({args.method}). {HELP}", file=sys.stderr, flush=True)
     return session.run(line_reader(sys.stdin))

@@ -7,10 +7,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..config import GenerationConfig
+
 # OpenAI's own limits where they exist (temperature <= 2, at most 4 stop sequences)
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_SEED = 2**63 - 1
+GREEDY_BELOW = 1e-5  # smaller temperatures overflow logits / T; treat them as greedy (as vLLM does)
 
 
 class StreamOptions(BaseModel):
@@ -38,6 +41,16 @@ class GenerationRequest(BaseModel):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def generation_config(self, defaults: GenerationConfig) -> GenerationConfig:
+        """This request's settings: the fields it gives over the server's `defaults` (so a server
+        started with --seed S samples requests without a seed reproducibly, with S)."""
+        t = defaults.temperature if self.temperature is None else self.temperature
+        return defaults.replace(
+            max_new_tokens=self.token_limit() or defaults.max_new_tokens,
+            temperature=0.0 if t < GREEDY_BELOW else t,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            seed=defaults.seed if self.seed is None else self.seed, stop=self.stop_list() if self.stop is not None else defaults.stop)
 
 
 class TextPart(BaseModel):

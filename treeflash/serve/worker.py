@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 
+from ..config import GenerationConfig
 from ..decoding.generate import Stats
+from ..decoding.text import TextAssembler
 from ..errors import TreeflashError
 from .metrics import Metrics
 from .schemas import ApiError
@@ -27,16 +29,9 @@ from .schemas import ApiError
 @dataclass
 class ServeConfig:
     model_name: str
-    method: str = "treeflash"
-    tree_size: int = 8
-    top_m: int = 8
-    top_k: int = 8
-    stage2_vocab: int | None = None  # None: the engine's default (Engine.stage2_vocab)
-    draft_vocab: bool = True
-    temperature: float = 0.0        # used when a request does not say
-    top_p: float = 1.0
-    sampling_top_k: int = 0
-    default_max_tokens: int = 256
+    # how every request is generated; a request's own fields (max_tokens, temperature, top_p, seed,
+    # stop) replace these (`schemas.GenerationRequest.generation_config`)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     max_tokens_limit: int = 4096    # larger max_tokens -> 400
     max_prompt_tokens: int | None = None  # None -> the context window
     api_key: str | None = None
@@ -60,11 +55,7 @@ class Job:
     prompt: str | list[dict] | list[int]
     chat: bool            # apply the chat template to a string prompt
     param: str            # request field the prompt came from (for error messages)
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: list[str]
+    config: GenerationConfig
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -80,52 +71,6 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
-
-
-class TextAssembler:
-    """Token ids -> text pieces; holds back text that could be the start of a stop string."""
-
-    def __init__(self, tokenizer, stop_ids: set[int], stops: list[str]):
-        self.tokenizer, self.stop_ids, self.stops = tokenizer, stop_ids, stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.ids: list[int] = []
-        self.text = ""   # decoded so far
-        self.sent = ""   # the prefix of `text` already handed out
-        self.stopped = False
-
-    def add(self, token: int) -> str:
-        """Returns the new text to send (maybe ""); sets `stopped` when a stop string appears."""
-        if token in self.stop_ids:
-            return ""
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 sequence: wait for the next token
-        self.text = text
-        cut = self._first_stop(max(0, len(self.sent) - self.hold))
-        if cut is not None:
-            self.stopped = True
-            return self._advance(cut)
-        return self._advance(len(text) - self.hold)
-
-    def flush(self) -> str:
-        """The held-back tail once generation ends (nothing after a stop string)."""
-        if self.stopped:
-            return ""
-        if self.ids and not self.text:  # only an incomplete UTF-8 tail was seen
-            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        return self._advance(len(self.text))
-
-    def _first_stop(self, start: int) -> int | None:
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def _advance(self, end: int) -> str:
-        if end <= len(self.sent):
-            return ""
-        piece = self.text[len(self.sent):end]
-        self.sent += piece
-        return piece
 
 
 class Worker:
@@ -222,12 +167,8 @@ class Worker:
     def _generate(self, job: Job, ids: list[int], stats: Stats) -> tuple[str, int]:
         """Stream one generation into the job; returns (finish_reason, tokens generated)."""
         cfg, target = self.config, self.engine.target
-        text = TextAssembler(target.tokenizer, target.stop_ids(), job.stop)
-        tokens = self.engine.tokens(
-            ids, method=cfg.method, max_new_tokens=job.max_tokens, temperature=job.temperature,
-            top_p=job.top_p, sampling_top_k=cfg.sampling_top_k, tree_size=cfg.tree_size,
-            top_m=cfg.top_m, top_k=cfg.top_k, seed=job.seed, chat=False, stats=stats,
-            stage2_vocab=cfg.stage2_vocab, draft_vocab=cfg.draft_vocab)
+        text = TextAssembler(target.tokenizer, target.stop_ids(), list(job.config.stop))
+        tokens = self.engine.tokens(ids, job.config, chat=False, stats=stats)
         n, finish = 0, None
         for tok in tokens:
             if job.cancelled.is_set():

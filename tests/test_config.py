@@ -1,0 +1,183 @@
+"""GenerationConfig is the one definition of the generation options: every field, set on each
+entry point (API, `treeflash generate`, `chat`, `serve` + an OpenAI request, `bench`), arrives
+unchanged in the config the engine runs. The fields are walked, so a new field is covered (or this
+test asks how to set it) without editing the test."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import sys
+
+import pytest
+
+from treeflash import api
+from treeflash.api import Engine
+from treeflash.bench import cli as bench_cli
+from treeflash.cli import build_parser
+from treeflash.config import GenerationConfig
+from treeflash.errors import TreeflashError
+
+from conftest import tiny_drafter, tiny_target
+
+FIELDS = [f.name for f in dataclasses.fields(GenerationConfig)]
+PROMPT = list(range(3, 20))
+
+
+def changed(f: dataclasses.Field):
+    """A valid value other than the field's default."""
+    d = f.default
+    if f.name == "method":
+        return "chain"
+    if f.name == "tree_size":
+        return 5
+    if isinstance(d, bool):
+        return not d
+    if isinstance(d, int):
+        return d + 1
+    if isinstance(d, float):
+        return 0.5 if d == 0 else d / 2
+    if d is None:
+        return 7
+    if isinstance(d, tuple):
+        return ("zzz",)
+    raise AssertionError(f"teach this test a non-default value for the new field {f.name!r}")
+
+
+VALUES = {f.name: changed(f) for f in dataclasses.fields(GenerationConfig)}
+
+
+def flags(name: str) -> list[str]:
+    v, opt = VALUES[name], "--" + name.replace("_", "-")
+    if isinstance(v, bool):
+        return [opt if v else "--no-" + name.replace("_", "-")]
+    if isinstance(v, tuple):
+        return [x for s in v for x in (opt, s)]
+    return [opt, str(v)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    target = tiny_target("llama").set_backend("static")
+    return Engine(target, tiny_drafter(target))
+
+
+@pytest.fixture
+def seen(engine, monkeypatch):
+    """The configs the engine prepared generations with (the real run goes on)."""
+    got: list[GenerationConfig] = []
+    prepare = Engine._prepare
+
+    def spy(self, prompt, cfg, chat=True):
+        got.append(cfg)
+        return prepare(self, prompt, cfg, chat)
+    monkeypatch.setattr(Engine, "_prepare", spy)
+    monkeypatch.setattr(api, "load", lambda *a, **kw: engine)
+    # the tiny target has no tokenizer: any text or chat becomes these token ids
+    monkeypatch.setattr(engine.target, "encode", lambda prompt, chat=True: PROMPT)
+    return got
+
+
+def parse(argv: list[str]):
+    return build_parser(argv).parse_args(argv)
+
+
+def test_defaults_are_defined_once():
+    """The CLI's defaults are the dataclass's: `generate` with no options gives GenerationConfig()."""
+    assert GenerationConfig.from_args(parse(["generate", "hi"])) == GenerationConfig()
+    assert GenerationConfig.from_args(parse(["serve"])) == GenerationConfig()
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_api_option_reaches_the_engine(engine, seen, name):
+    engine.generate(PROMPT, **{"max_new_tokens": 4, name: VALUES[name]})
+    assert getattr(seen[-1], name) == VALUES[name]
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_generate_cli_option_reaches_the_engine(seen, capsys, name):
+    argv = ["generate", "x", "--no-chat"] + flags(name) + ([] if name == "max_new_tokens" else ["--max-new-tokens", "4"])
+    args = parse(argv)
+    assert args.func(args) == 0
+    assert getattr(seen[-1], name) == VALUES[name]
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_chat_option_reaches_the_engine(seen, capsys, monkeypatch, name):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    args = parse(["chat"] + flags(name) + ([] if name == "max_new_tokens" else ["--max-new-tokens", "4"]))
+    assert args.func(args) == 0
+    assert getattr(seen[-1], name) == VALUES[name]
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_serve_option_reaches_the_engine_through_a_request(engine, seen, name):
+    """`serve --OPTION` is the default of every request that does not set the field itself."""
+    from fastapi.testclient import TestClient
+
+    from treeflash.serve.app import create_app
+    from treeflash.serve.cli import _config
+
+    args = parse(["serve"] + flags(name) + ([] if name == "max_new_tokens" else ["--max-new-tokens", "4"]))
+    config = _config(args, "tiny")
+    with TestClient(create_app(engine, config)) as client:
+        r = client.post("/v1/completions", json={"prompt": PROMPT})
+    assert r.status_code == 200, r.text
+    assert getattr(seen[-1], name) == VALUES[name]
+
+
+def test_a_request_field_overrides_the_server_default():
+    from treeflash.serve.schemas import CompletionRequest
+
+    base = GenerationConfig(temperature=0.7, top_p=0.9, max_new_tokens=9, seed=3, stop=("a",))
+    req = CompletionRequest(prompt="x", temperature=0.2, max_tokens=4, seed=5, stop=["b", "c"])
+    assert req.generation_config(base) == base.replace(temperature=0.2, max_new_tokens=4, seed=5, stop=("b", "c"))
+    assert CompletionRequest(prompt="x").generation_config(base) == base
+    assert CompletionRequest(prompt="x", temperature=1e-9).generation_config(base).temperature == 0.0  # greedy
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_bench_option_reaches_the_engine(engine, seen, name):
+    """Every field is a bench option except the arm's own (method, tree size), the bench's seed
+    (prompt sampling and sampling), and the two its peers cannot honour (stop, ignore_eos)."""
+    from treeflash.bench.methods import build_methods
+
+    own = {"method": "arm", "tree_size": "arm", "seed": "bench", "stop": "peers", "ignore_eos": "peers"}
+    argv = ["bench", "--methods", "treeflash", "--tree-size", "5"]
+    if name == "seed":
+        argv += ["--seed", str(VALUES[name])]
+    elif name not in own:
+        argv += flags(name)
+    cfg = bench_cli.config_from_args(parse(argv))
+    arms, _ = build_methods(engine, cfg.methods, cfg.tree_sizes, "tiny", params=cfg.decode_config())
+    arms[0].generate(PROMPT, cfg.decode_config().replace(max_new_tokens=min(4, cfg.max_new_tokens))
+                     if name != "max_new_tokens" else cfg.decode_config())
+    want = {"method": "treeflash", "tree_size": 5}.get(name, VALUES[name])
+    if own.get(name) == "peers":
+        want = getattr(GenerationConfig(), name)
+    assert getattr(seen[-1], name) == want
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(method="nope"), "unknown method 'nope'"),
+    (dict(tree_size=0), "tree size must be >= 1"),
+    (dict(tree_size="big"), "tree size must be a number or 'auto'"),
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+    (dict(top_p=0.0), "top-p must be in (0, 1]"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(top_k=4, stage2_vocab=3), "stage-2 vocabulary must be 0 or in [top-k, 128]"),
+    (dict(stop=("",)), "stop strings must be non-empty text"),
+])
+def test_check_names_the_bad_value(changes, message):
+    with pytest.raises(TreeflashError) as e:
+        GenerationConfig().replace(**changes).check(128)
+    assert str(e.value).startswith(message)
+
+
+def test_stop_string_ends_generate_and_stream(engine):
+    """A stop string cuts the answer in the API as in the server (the shared TextAssembler)."""
+    full = engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True)
+    words = full.text.split()
+    stop = " " + words[5]
+    cut = full.text[:full.text.index(stop)]
+    assert engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True, stop=[stop]).text == cut
+    assert "".join(engine.stream(PROMPT, max_new_tokens=12, ignore_eos=True, stop=[stop])) == cut

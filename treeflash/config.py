@@ -1,0 +1,131 @@
+"""`GenerationConfig`: every generation parameter, its default and its check, defined once.
+
+The API (`Engine.generate(prompt, config)`), the CLI (`add_args` / `from_args`), the bench and the
+server (`serve/schemas.py: request_config`) all build this one object, so a new option is a new
+field here and reaches every entry point (tests/test_config.py walks the fields to prove it).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import TreeflashError
+
+
+def tree_size_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
+
+
+def _methods() -> tuple[str, ...]:
+    from .decoding.proposers import METHODS
+
+    return METHODS
+
+
+def _opt(default, help: str, **cli):
+    """A field with its command-line help (and argparse extras: type, action, flag, ...)."""
+    meta = {"help": help, **cli}
+    if isinstance(default, (list, tuple)):
+        return field(default=tuple(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    method: str = _opt("treeflash", "decoding method", choices=_methods)
+    tree_size: int | str = _opt(
+        8, "nodes verified per step, root included (default 8; docs/performance.md has the measured "
+           "choice per machine); auto: the budget that maximises expected tokens/s here, from the "
+           "target's measured verify cost (cached per machine) and a short calibration of the drafter",
+        type=tree_size_arg)
+    top_m: int = _opt(8, "TreeFlash stage-1 candidates per position")
+    top_k: int = _opt(8, "TreeFlash stage-2 children per candidate")
+    # measured: the same tau as the full vocabulary, 2.8x less drafting time (docs/performance.md)
+    stage2_vocab: int = _opt(256, "TreeFlash stage 2 scores each position's top-N marginal tokens (0 = all)")
+    draft_vocab: bool = _opt(True, "propose only from the drafter's draft vocabulary when it ships one",
+                             action=argparse.BooleanOptionalAction)
+    temperature: float = _opt(0.0, "0 = greedy")
+    top_p: float = _opt(1.0, "nucleus sampling mass")
+    sampling_top_k: int = _opt(0, "sampling top-k (0 = off)")
+    max_new_tokens: int = _opt(256, "most new tokens per answer")
+    seed: int | None = _opt(None, "sampling seed (default: fresh randomness)", type=int)
+    stop: tuple[str, ...] = _opt((), "stop string (repeatable); the answer ends before it", action="append")
+    ignore_eos: bool = _opt(False, "keep generating past end-of-sequence tokens, up to max_new_tokens "
+                                   "(as vLLM's ignore_eos; for benchmarks)", action=argparse.BooleanOptionalAction)
+
+    def replace(self, **changes) -> "GenerationConfig":
+        if "stop" in changes and changes["stop"] is not None:
+            changes["stop"] = tuple(changes["stop"])
+        return dataclasses.replace(self, **changes)
+
+    def check(self, vocab: int) -> "GenerationConfig":
+        """Raise a one-line TreeflashError on any bad value (vocab: the target's vocabulary rows)."""
+        if self.method not in _methods():
+            raise TreeflashError(f"unknown method {self.method!r}; choose from {', '.join(_methods())}")
+        if self.tree_size != "auto" and (isinstance(self.tree_size, bool) or not isinstance(self.tree_size, int)):
+            raise TreeflashError(f"tree size must be a number or 'auto', got {self.tree_size!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise TreeflashError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise TreeflashError(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise TreeflashError("stop strings must be non-empty text")
+        self.sampling(vocab)
+        if self.tree_size != "auto":
+            self.tree(vocab)
+        return self
+
+    def sampling(self, vocab: int):
+        from .decoding.sampling import SamplingParams
+
+        return SamplingParams(float(self.temperature), float(self.top_p), int(self.sampling_top_k)).check(vocab)
+
+    def tree(self, vocab: int, budget: int | None = None):
+        """The proposer's parameters (budget: the resolved tree size when it is "auto")."""
+        from .decoding.proposers import TreeParams
+
+        size = self.tree_size if budget is None else budget
+        return TreeParams(int(size), int(self.top_m), int(self.top_k), min(int(self.stage2_vocab), vocab),
+                          bool(self.draft_vocab)).check(vocab)
+
+    @classmethod
+    def add_args(cls, p: argparse.ArgumentParser, exclude: tuple[str, ...] = (), suppress: bool = False,
+                 **defaults) -> None:
+        """One `--option` per field. suppress: absent options stay absent from the namespace (so
+        `from_args` can tell them from defaults); defaults: other default values for this command."""
+        for f in dataclasses.fields(cls):
+            if f.name in exclude:
+                continue
+            meta = dict(f.metadata)
+            default = defaults.get(f.name, f.default)
+            kw = {"help": meta.pop("help") + ("" if suppress else f" (default: {default})")}
+            if "choices" in meta:
+                kw["choices"] = meta.pop("choices")()
+            if "action" in meta:
+                kw["action"] = meta.pop("action")
+            elif "type" in meta:
+                kw["type"] = meta.pop("type")
+            else:
+                kw["type"] = type(f.default)
+            if kw.get("action") == "append":
+                default = None  # argparse appends to a given default list; () means none
+            kw["default"] = argparse.SUPPRESS if suppress else default
+            p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, base: "GenerationConfig | None" = None) -> "GenerationConfig":
+        """The config the parsed options say; fields absent from `args` keep `base`'s values."""
+        base = base or cls()
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        if given.get("stop", ()) is None:
+            given["stop"] = ()
+        return base.replace(**given)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "stop": list(self.stop)}

@@ -1,0 +1,56 @@
+"""Token ids -> text, for streaming: stop tokens hidden, incomplete UTF-8 and possible stop-string
+starts held back. The engine's `stream`/`generate` and the server's worker share it."""
+from __future__ import annotations
+
+
+class TextAssembler:
+    """Token ids -> text pieces; holds back text that could be the start of a stop string."""
+
+    def __init__(self, tokenizer, stop_ids: set[int], stops: list[str]):
+        self.tokenizer, self.stop_ids, self.stops = tokenizer, stop_ids, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""   # decoded so far
+        self.sent = ""   # the prefix of `text` already handed out
+        self.stopped = False
+        self.cut = 0     # where the first stop string starts in `text`, once `stopped`
+
+    def add(self, token: int) -> str:
+        """Returns the new text to send (maybe ""); sets `stopped` when a stop string appears."""
+        if token in self.stop_ids:
+            return ""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        self.text = text
+        cut = self._first_stop(max(0, len(self.sent) - self.hold))
+        if cut is not None:
+            self.stopped, self.cut = True, cut
+            return self._advance(cut)
+        return self._advance(len(text) - self.hold)
+
+    def flush(self) -> str:
+        """The held-back tail once generation ends (nothing after a stop string)."""
+        if self.stopped:
+            return ""
+        if self.ids and not self.text:  # only an incomplete UTF-8 tail was seen
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        return self._advance(len(self.text))
+
+    def final_text(self) -> str:
+        """The whole answer: everything before the stop string, or every token decoded at once."""
+        if self.stopped:
+            return self.text[:self.cut]
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def _first_stop(self, start: int) -> int | None:
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _advance(self, end: int) -> str:
+        if end <= len(self.sent):
+            return ""
+        piece = self.text[len(self.sent):end]
+        self.sent += piece
+        return piece
