@@ -59,9 +59,11 @@ class GenerationConfig:
     ignore_eos: bool = _opt(False, "keep generating past end-of-sequence tokens, up to max_new_tokens "
                                    "(as vLLM's ignore_eos; for benchmarks)", action=argparse.BooleanOptionalAction)
 
+    def __post_init__(self):
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())  # one string: one stop, as OpenAI
+        object.__setattr__(self, "stop", stop)
+
     def replace(self, **changes) -> "GenerationConfig":
-        if "stop" in changes and changes["stop"] is not None:
-            changes["stop"] = tuple(changes["stop"])
         return dataclasses.replace(self, **changes)
 
     def check(self, vocab: int) -> "GenerationConfig":
