@@ -68,6 +68,30 @@ def test_build_prompts_dedups_and_splits_disjointly(tmp_path):
     assert json.loads((tmp_path / "out" / "stats.json").read_text())["train"] == len(train)
 
 
+def test_later_turns_keep_alternation_and_stay_in_the_training_split(tmp_path):
+    long = conv("h_0", ("gpt", "Hi, how can I help?"), ("human", "Q1"), ("gpt", "A1"), ("human", "Q2"),
+                ("gpt", "A2"), ("human", "Q3"), ("human", "Q4 breaks alternation"), ("gpt", "A4"), ("human", "Q5"))
+    assert data.later_turns(long) == [
+        [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}],
+        [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"},
+         {"role": "assistant", "content": "A2"}, {"role": "user", "content": "Q3"}]]
+    assert data.later_turns(long, max_chars=7) == [[{"role": "user", "content": "Q1"},
+                                                   {"role": "assistant", "content": "A1"},
+                                                   {"role": "user", "content": "Q2"}]]
+    assert data.later_turns(conv("z", ("human", "Q"), ("gpt", "  "), ("human", "Q2"))) == []  # empty answer
+    src = tmp_path / "sg.json"
+    extra = [conv(f"x{i}_0", ("human", f"Question {i}?"), ("gpt", "A"), ("human", f"More {i}?")) for i in range(20)]
+    write_truncated_sharegpt(src, SHAREGPT + extra)
+    stats = data.build_prompts(tmp_path / "out", heldout=5, seed=3, source=src)
+    train = {p["id"] for p in data.read_jsonl(tmp_path / "out" / "train.jsonl")}
+    held = {p["id"] for p in data.read_jsonl(tmp_path / "out" / "heldout.jsonl")}
+    later = data.read_jsonl(tmp_path / "out" / "train-later.jsonl")
+    assert stats["train_later_turns"] == len(later) > 0
+    assert all(p["id"].split("#")[0] in train and p["id"].split("#")[0] not in held for p in later)
+    assert len(later) == sum(1 for i in range(20) if f"sharegpt/x{i}_0" in train)
+    assert all(p["messages"][-1]["role"] == "user" and len(p["messages"]) == 3 for p in later)
+
+
 def test_length_sorted_batches_cover_everything_once():
     items = [(str(i), [0] * ((i * 7) % 11 + 1)) for i in range(23)]
     batches = list(data.length_sorted_batches(items, batch_size=4, window=2))

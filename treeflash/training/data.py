@@ -2,7 +2,9 @@
 
 Step 1 (`build_prompts`): first user turns of ShareGPT conversations (the packaged JSON is
 truncated, so complete records are recovered one by one), normalised, deduplicated, shuffled,
-split into train / held-out JSONL files of `{"id", "messages": [{"role": "user", "content"}]}`.
+split into train / held-out JSONL files of `{"id", "messages": [{"role": "user", "content"}]}`;
+and, in train-later.jsonl, each training conversation up to its later user turns (with the
+recorded answers before them), for the target to answer those turns too.
 
 Step 2 (`regenerate`): the target answers each prompt greedily (self-distillation) with its chat
 template, batched with left padding. Shards `shard-00000.jsonl`, ... hold one record per line:
@@ -129,8 +131,37 @@ def first_user_turn(record: dict) -> str | None:
     return None
 
 
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant"}
+
+
+def later_turns(record: dict, max_chars: int = 6000) -> list[list[dict]]:
+    """The conversation up to each later user turn (2nd, 3rd, ...), with the recorded assistant
+    answers in between: prompts for the target's answer to that turn. It stops at the first turn
+    that breaks user/assistant alternation or has no text, or past `max_chars` in all."""
+    turns = record.get("conversations") if isinstance(record, dict) else None
+    if not isinstance(turns, list):
+        return []
+    messages, out, chars = [], [], 0
+    for turn in turns:
+        role = ROLES.get(turn.get("from")) if isinstance(turn, dict) else None
+        text = turn.get("value") if role else None
+        if not messages and role == "assistant":
+            continue  # a conversation opened by the assistant starts at the first user turn
+        want = "user" if len(messages) % 2 == 0 else "assistant"
+        if role != want or not isinstance(text, str) or not text.strip():
+            break
+        chars += len(text)
+        if chars > max_chars:
+            break
+        messages.append({"role": role, "content": text.strip()})
+        if role == "user" and len(messages) > 1:
+            out.append(list(messages))
+    return out
+
+
 def sharegpt_prompts(path: Path, max_chars: int = 6000) -> tuple[list[dict], int]:
-    """(prompts, complete records read) from a (possibly truncated) ShareGPT JSON file."""
+    """(prompts, complete records read) from a (possibly truncated) ShareGPT JSON file. Each
+    prompt's "later" holds its conversation's later-turn prompts (`later_turns`)."""
     path = Path(path)
     if not path.is_file():
         raise TreeflashError(f"ShareGPT file not found: {path}")
@@ -142,7 +173,8 @@ def sharegpt_prompts(path: Path, max_chars: int = 6000) -> tuple[list[dict], int
         if content is None or len(content) > max_chars:
             continue
         rid = str(rec.get("id") or f"rec{n_records}")
-        prompts.append({"id": f"sharegpt/{rid}", "messages": [{"role": "user", "content": content}]})
+        prompts.append({"id": f"sharegpt/{rid}", "messages": [{"role": "user", "content": content}],
+                        "later": later_turns(rec, max_chars)})
     return prompts, n_records
 
 
@@ -174,16 +206,21 @@ def split(prompts: list[dict], heldout: int, seed: int) -> tuple[list[dict], lis
 
 def build_prompts(out_dir: Path, heldout: int = 200, seed: int = 0, source: Path | None = None,
                   max_chars: int = 6000) -> dict:
-    """Write train.jsonl, heldout.jsonl and stats.json under `out_dir`; return the stats."""
+    """Write train.jsonl, heldout.jsonl, train-later.jsonl (later turns of the training
+    conversations only: a held-out conversation stays out whole) and stats.json under `out_dir`;
+    return the stats."""
     out_dir = ensure_writable_dir(out_dir)
     source = Path(source) if source else sharegpt_path()
     raw, n_records = sharegpt_prompts(source, max_chars)
     unique = dedupe(raw)
     train, held = split(unique, heldout, seed)
-    write_jsonl(out_dir / "train.jsonl", train)
-    write_jsonl(out_dir / "heldout.jsonl", held)
+    later = [{"id": f"{p['id']}#t{k + 2}", "messages": m} for p in train for k, m in enumerate(p["later"])]
+    write_jsonl(out_dir / "train.jsonl", [{k: p[k] for k in ("id", "messages")} for p in train])
+    write_jsonl(out_dir / "heldout.jsonl", [{k: p[k] for k in ("id", "messages")} for p in held])
+    write_jsonl(out_dir / "train-later.jsonl", later)
     stats = {"source": str(source), "records_recovered": n_records, "prompts_with_text": len(raw),
              "duplicates_dropped": len(raw) - len(unique), "train": len(train), "heldout": len(held),
+             "train_later_turns": len(later),
              "seed": seed, "max_chars": max_chars,
              "mean_chars": round(sum(len(p["messages"][0]["content"]) for p in unique) / max(1, len(unique)), 1)}
     write_atomic(out_dir / "stats.json", json.dumps(stats, indent=2) + "\n")
