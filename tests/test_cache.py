@@ -5,15 +5,14 @@ import pytest
 import torch
 
 from treeflash.decoding.trees import marginal_tree
+from treeflash.models.fastpath import LazyLogits
 
 from conftest import tiny_target
 
-def kv(cache, target):
-    """[layers] of (keys, values) [1, Hkv, length, D] for the live part of either cache type."""
-    if target.fast is None:
-        return [(layer.keys, layer.values) for layer in cache.layers]
+def kv(cache):
+    """[layers] of (keys, values) [1, Hkv, length, D]: the live part of any cache."""
     n = cache.length
-    return [(k[:, :, :n], v[:, :, :n]) for k, v in zip(cache.k, cache.v)]
+    return [(k[:, :, :n], v[:, :, :n]) for k, v in cache.key_values()]
 
 
 def hf_reference(target, seq):
@@ -42,31 +41,34 @@ def test_compacted_cache_equals_fresh_forward(arch, backend):
     target.forward(prefix, torch.arange(len(prefix)), cache)
     start = len(prefix)
     tree = marginal_tree(int(prefix[-1]) + 1, torch.randn(4, 128).log_softmax(-1), 14)
-    logits, feats = target.forward(tree.tokens, start + tree.depths, cache, tree_mask=tree.ancestor_mask())
+    logits, feats = target.forward(tree.tokens, start + tree.depths, cache, tree.ancestor_mask())
     keep = deepest_path(tree)
-    target.compact(cache, start, keep)
+    cache.compact(start, keep)
 
     seq = torch.cat([prefix, tree.tokens[keep]])
     fresh_cache = target.new_cache(64)
     target.forward(seq, torch.arange(len(seq)), fresh_cache)
-    assert target.cache_length(cache) == target.cache_length(fresh_cache) == len(seq)
-    for (ka, va), (kb, vb) in zip(kv(cache, target), kv(fresh_cache, target)):
+    assert cache.length == fresh_cache.length == len(seq)
+    for (ka, va), (kb, vb) in zip(kv(cache), kv(fresh_cache)):
         assert ka.shape == kb.shape
         torch.testing.assert_close(ka, kb, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(va, vb, atol=1e-5, rtol=1e-5)
     # the tree forward saw exactly the causal context of each path node
     ref_logits, ref_feats = hf_reference(target, seq)
-    target.compact(cache, start, torch.arange(0))
-    lazy, _ = target.forward(tree.tokens, start + tree.depths, cache, tree_mask=tree.ancestor_mask(), lazy=True)
-    assert len(lazy) == len(tree)
-    assert isinstance(lazy, torch.Tensor) == target.head_in_forward  # compiled: every row's logits at once
-    if not target.head_in_forward:
-        assert not lazy.rows
+    cache.compact(start, torch.arange(0))
+    again, _ = target.forward(tree.tokens, start + tree.depths, cache, tree.ancestor_mask())
+    assert len(again) == len(tree)
+    # eagerly the LM head runs over the rows read only; compiled, it ran over every row in the step
+    lazy = backend != "compiled"
+    assert isinstance(again, LazyLogits) == lazy
+    if lazy:
+        assert not again.rows
     for i in keep.tolist():
-        torch.testing.assert_close(lazy[i], logits[i], atol=1e-5, rtol=1e-5)
-    if not target.head_in_forward:
-        assert sorted(lazy.rows) == sorted(keep.tolist())  # only the rows read were computed
+        torch.testing.assert_close(again[i], logits[i], atol=1e-5, rtol=1e-5)
+    if lazy:
+        assert sorted(again.rows) == sorted(keep.tolist())
     torch.testing.assert_close(logits[keep], ref_logits[start:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[-1], logits[len(tree) - 1])
     torch.testing.assert_close(feats[keep], ref_feats[start:], atol=1e-4, rtol=1e-4)
 
 
@@ -78,7 +80,7 @@ def test_tree_logits_of_every_node_match_its_own_path(backend):
     cache = target.new_cache(32)
     target.forward(prefix, torch.arange(len(prefix)), cache)
     tree = marginal_tree(50, torch.randn(3, 128).log_softmax(-1), 10)
-    logits, _ = target.forward(tree.tokens, len(prefix) + tree.depths, cache, tree_mask=tree.ancestor_mask())
+    logits, _ = target.forward(tree.tokens, len(prefix) + tree.depths, cache, tree.ancestor_mask())
     pars = tree.parents.tolist()
     for i in range(len(tree)):
         path, node = [], i
@@ -120,7 +122,7 @@ def test_long_bf16_prefill_computes_in_float32(arch, monkeypatch):
     target.set_taps([1, 2])
     errs = {}
     for upcast in (False, True):
-        target.fast.upcast = upcast
+        target.runner.upcast = upcast
         cache = target.new_cache(128)
         logits, feats = target.forward(seq, torch.arange(len(seq)), cache)
         assert feats.dtype == cache.k[0].dtype == torch.bfloat16

@@ -1,5 +1,6 @@
 """treeflash profile: the step breakdown adds up and the instrumentation leaves no trace."""
 from treeflash.api import Engine
+from treeflash.config import GenerationConfig
 from treeflash.bench.profile import PARTS, markdown, profile, verify_costs
 
 from conftest import tiny_drafter, tiny_target
@@ -9,7 +10,8 @@ def test_profile_parts_add_up_and_patches_are_removed():
     target = tiny_target("llama").set_backend("static")
     engine = Engine(target, tiny_drafter(target))
     prompts = [list(range(3, 30, 2)), list(range(5, 20))]
-    report = profile(engine, prompts, ["vanilla", "treeflash", "marginal:full"], 8, 12, 3, 3)
+    cfg = GenerationConfig(tree_size=8, max_new_tokens=12, top_m=3, top_k=3)
+    report = profile(engine, prompts, ["vanilla", "treeflash", "marginal:full"], cfg)
     for m, r in report.items():
         assert r["steps"] > 0 and r["tokens"] == 2 * 11  # 12 tokens per prompt, minus the prefill's
         # the parts are disjoint intervals inside the step: "other" (the rest) is never negative, and

@@ -45,11 +45,12 @@ class Timers:
 def instrumented(engine, proposer, timers: Timers):
     """Patch the step's parts on these objects (instances, and the decode loop's `accept`)."""
     from ..decoding import generate
+    from ..models.kvcache import KVCache
 
     patches: list = []
     t, d = engine.target, engine.drafter
     timers.wrap(t, "forward", "target forward", patches)
-    timers.wrap(t, "compact", "KV compaction", patches)
+    timers.wrap(KVCache, "compact", "KV compaction", patches)  # every cache type's (shared) compaction
     if d is not None:
         timers.wrap(d, "draft", "drafter layers", patches)
         timers.wrap(d, "extend", "drafter context", patches)
@@ -67,11 +68,11 @@ def instrumented(engine, proposer, timers: Timers):
                 setattr(obj, attr, old)
 
 
-def profile(engine, prompts: list[str], methods: list[str], tree_size: int, max_new_tokens: int,
-            top_m: int = 8, top_k: int = 8) -> dict:
+def profile(engine, prompts: list[str], methods: list[str], config) -> dict:
     """{method: {"steps", "tokens", "step_ms", "tau", "parts_ms": {part: ms per step}}}.
 
-    A method "NAME:full" runs NAME without the drafter's draft vocabulary (whole-vocabulary head)."""
+    A method "NAME:full" runs NAME without the drafter's draft vocabulary (whole-vocabulary head).
+    config: the GenerationConfig of every run (greedy; its method and draft vocabulary are set here)."""
     from ..decoding.generate import Stats, decode
     from ..decoding.sampling import SamplingParams
 
@@ -79,11 +80,11 @@ def profile(engine, prompts: list[str], methods: list[str], tree_size: int, max_
     for prompt in prompts:
         for method in methods:
             name, _, opt = method.partition(":")
-            ids, sampling, proposer = engine._prepare(prompt, name, max_new_tokens, 0.0, 1.0, 0, tree_size,
-                                                      top_m, top_k, None, True, draft_vocab=opt != "full")
+            cfg = engine.config(config, method=name, draft_vocab=config.draft_vocab and opt != "full", temperature=0.0)
+            ids, sampling, proposer = engine._prepare(prompt, cfg)
             timers, stats = Timers(), Stats()
             with instrumented(engine, proposer, timers):
-                for i, _ in enumerate(decode(engine.target, proposer, ids, max_new_tokens, sampling, None, stats)):
+                for i, _ in enumerate(decode(engine.target, proposer, ids, cfg.max_new_tokens, sampling, None, stats)):
                     if i == 0:  # the first token comes from the prefill: no step has run yet
                         timers.s.clear()
             r = out[method]
@@ -149,16 +150,18 @@ def print_verify_costs(engine, backends: list[str], as_json: bool) -> int:
 
 
 def register(sub) -> None:
-    from ..cli import add_engine_args
+    from ..cli import add_model_args
+    from ..config import GenerationConfig
 
     p = sub.add_parser("profile", help="time the parts of a speculative step (target, drafter, tree, cache)",
                        description=__doc__.splitlines()[0])
-    add_engine_args(p)
+    add_model_args(p)
+    GenerationConfig.add_args(p, exclude=("method", "temperature", "top_p", "sampling_top_k", "seed", "stop",
+                                          "ignore_eos"), max_new_tokens=64)
     p.add_argument("--methods", default="vanilla,chain,marginal,treeflash",
                    help="comma list; NAME:full = NAME with the whole-vocabulary drafter head")
     p.add_argument("--dataset", default="humaneval", help="prompts from this bench dataset")
     p.add_argument("--num-prompts", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--verify-costs", metavar="BACKENDS", default=None,
                    help="instead: time N-node target forwards (N = 1..32, 300-token context) on each of these "
@@ -185,18 +188,17 @@ def run(args) -> int:
                       device=args.device)
     if args.verify_costs:
         return print_verify_costs(engine, args.verify_costs.split(","), args.json)
-    if args.tree_size == "auto":
-        from ..cli_generate import resolve_tree_size
+    from ..cli_generate import generation_config
 
-        resolve_tree_size(engine, args)
+    cfg = generation_config(engine, args)  # --tree-size auto: the measured choice
     prompts = [s.turns[0] for s in sample_prompts(args.dataset, args.num_prompts, seed=0)]
-    profile(engine, prompts[:1], methods, args.tree_size, 8, args.top_m, args.top_k)  # warm-up (and compile)
-    report = profile(engine, prompts, methods, args.tree_size, args.max_new_tokens, args.top_m, args.top_k)
+    profile(engine, prompts[:1], methods, cfg.replace(max_new_tokens=8))  # warm-up (and compile)
+    report = profile(engine, prompts, methods, cfg)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print(f"{engine.target.name}, {engine.target.dtype}, backend {engine.target.backend}, tree size "
-              f"{args.tree_size}, {len(prompts)} {args.dataset} prompts x {args.max_new_tokens} tokens, "
+              f"{cfg.tree_size}, {len(prompts)} {args.dataset} prompts x {args.max_new_tokens} tokens, "
               f"{torch.get_num_threads()} threads", file=sys.stderr)
         print(markdown(report))
     return 0

@@ -6,8 +6,9 @@ result per machine, model, dtype, backend and thread count in ~/.cache/treeflash
 
 `best_budget` picks the budget b that maximises expected tokens per second,
     E[tau(b)] / (t_draft + t_verify(b) + E[tau(b)] * t_head),
-where t_verify(b) is the forward without the LM head, t_head the LM head over one row (the
-acceptance walk computes the rows of the nodes it visits: tau of them), and E[tau(b)] = 1 +
+where t_verify(b) is the forward, t_head reading one row of its logits (the acceptance walk reads
+the rows of the nodes it visits: tau of them; eagerly the LM head runs over each row read, the
+compiled forward already ran it over every row), and E[tau(b)] = 1 +
 (expected accepted drafts with b-1 best-first nodes), taken from the drafter's measured per-node
 acceptance at the largest budget (see `expected_tau`). The cost table stores t_head under key 0.
 """
@@ -37,34 +38,36 @@ def machine_key(target, context: int) -> str:
 
 @torch.no_grad()
 def time_forward(target, n: int, context: int, repeats: int = 5) -> float:
-    """Median seconds of one n-node tree forward without the LM head, plus the KV compaction (a
-    chain: the mask shape is what matters) after `context` cached tokens; n = 0: the LM head over
-    one row. The first run warms up (and compiles). Where the forward runs the head over every
-    row itself (`target.head_in_forward`), the forward includes it and n = 0 costs nothing."""
+    """Median seconds of one n-node tree forward plus the KV compaction (a chain: the mask shape is
+    what matters) after `context` cached tokens, without reading its logits; n = 0: reading one
+    row of a 1-node forward's logits: the LM head over that row where the forward leaves it to the
+    reader, about nothing where the forward ran it over every row (compiled). The first run warms
+    up (and compiles)."""
     dev = target.device
-    if n == 0 and target.head_in_forward:
-        return 0.0
-    if n == 0:
-        h = torch.zeros(1, target.config.hidden_size, dtype=target.dtype, device=dev)
+    cache = target.new_cache(context + 64)
+    V = target.vocab_rows
+    target.forward(torch.arange(context, device=dev) % V, torch.arange(context, device=dev), cache)
+    size = max(n, 1)
+    ids = (torch.arange(size, device=dev) + 7) % V
+    pos = context + torch.arange(size, device=dev)
+    mask = torch.ones(size, size, dtype=torch.bool, device=dev).tril_()
+    none = torch.arange(0, device=dev)
 
-        def step():
-            target.lm_head(h).float()
-    else:
-        cache = target.new_cache(context + 64)
-        V = target.vocab_rows
-        target.forward(torch.arange(context, device=dev) % V, torch.arange(context, device=dev), cache)
-        ids = (torch.arange(n, device=dev) + 7) % V
-        pos = context + torch.arange(n, device=dev)
-        mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
-        none = torch.arange(0, device=dev)
+    def forward():
+        logits, _ = target.forward(ids, pos, cache, mask)
+        cache.compact(context, none)
+        return logits
 
-        def step():
-            target.forward(ids, pos, cache, tree_mask=mask, lazy=True)
-            target.compact(cache, context, none)
     times = []
     for r in range(repeats + 1):
+        logits = None if n else forward()  # untimed: n = 0 times the read only
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        step()
+        if n:
+            forward()
+        else:
+            logits[0]  # the read is what is timed
         if dev.type == "cuda":
             torch.cuda.synchronize()
         if r:
@@ -73,8 +76,8 @@ def time_forward(target, n: int, context: int, repeats: int = 5) -> float:
 
 
 def measure(target, sizes=SIZES, context: int = 256, repeats: int = 5, use_cache: bool = True) -> dict[int, float]:
-    """{tree size: seconds per forward without the LM head, 0: seconds of the LM head over one
-    row}; cached on disk per machine/model/dtype/backend/threads."""
+    """{tree size: seconds per forward (without reading its logits), 0: seconds to read one row of
+    them}; cached on disk per machine/model/dtype/backend/threads."""
     sizes = tuple(sorted({0, *sizes}))
     key = machine_key(target, context)
     saved = _load()

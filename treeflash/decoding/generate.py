@@ -108,10 +108,10 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
     dev = target.device
     ids = torch.tensor(prompt_ids, device=dev)
     pos = torch.arange(len(prompt_ids), device=dev)
-    logits, feats = target.forward(ids, pos, cache, logits_rows=slice(-1, None))
+    logits, feats = target.forward(ids, pos, cache)
     if drafter is not None:
         drafter.extend(dcache, feats, pos)
-    root = choose(logits[0], sampling, gen)
+    root = choose(logits[-1], sampling, gen)
     stats.prefill_s = time.perf_counter() - t_start
     start = len(prompt_ids)  # position of `root`; cache holds positions < start
 
@@ -136,10 +136,10 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
             tree = proposer.propose(dcache, root, start, max_depth, history)
             t0 = time.perf_counter()
             logits, feats = target.forward(tree.tokens.to(dev), (start + tree.depths).to(dev), cache,
-                                           tree_mask=tree.ancestor_mask().to(dev), lazy=True)
+                                           tree.ancestor_mask().to(dev))
             acc = accept(tree, logits, sampling, gen)
             keep = torch.tensor(acc.path, device=dev)
-            target.compact(cache, start, keep)
+            cache.compact(start, keep)
             if drafter is not None:
                 # deferred: the next block pass computes their keys/values in the same call
                 drafter.extend(dcache, feats[keep], start + torch.arange(len(keep), device=dev), defer=True)

@@ -2,15 +2,17 @@
 
 The Hugging Face modules keep their weights; this file replaces only the glue around them: no
 mask factory, no per-step cache concatenation, taps read inline instead of by hooks. Tree nodes
-are written to consecutive cache slots `start .. start+N-1` (positions `start + depth`), and
-`StaticKV.compact` moves the accepted path to the front of those slots in place.
+are written to consecutive slots `start .. start+N-1` of a `kvcache.StaticKV` (positions
+`start + depth`), and its `compact` moves the accepted path to the front of those slots in place.
 
-Two modes:
-- eager (`compile=False`): attention reads only the live slots `[:start+N]`; any N.
-- compiled (`compile=True`): `torch.compile` (inductor, freezing) of one step for a few bucketed
-  tree sizes; attention reads the whole cache (capacity fixed per cache, a multiple of 512) under
-  a bool mask, so each (bucket, capacity) pair compiles once and is cached on disk by inductor.
-  Prefill (and any flat sequence of more than one token) runs eagerly.
+One decoder function (`_decode`), two modes; both return (logits, features), logits indexable by node:
+- eager (`compile=False`): attention reads only the live slots `[:start+N]`; any N; the logits are
+  a `LazyLogits` (the LM head runs over the rows read).
+- compiled (`compile=True`): `torch.compile` (inductor, freezing) of `_step` = `_decode` plus the LM
+  head over every row (a tensor), for a few bucketed tree sizes; attention reads the whole cache
+  (capacity fixed per cache, a multiple of 512) under a bool mask, so each (bucket, capacity) pair
+  compiles once and is cached on disk by inductor. Prefill (and any flat sequence of more than one
+  token) runs eagerly.
 
 Long flat sequences (a prefill of >= `UPCAST_MIN_ROWS` tokens) of a bfloat16 model on a CPU
 without AMX compute in float32 from the bf16 weights (upcast per matmul) and store bf16 keys and
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TreeflashError
+from .kvcache import StaticKV, attention_mask
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BUCKETS = (1, 4, 8, 16, 32, 64)  # compiled tree sizes; a tree is padded to the next one
@@ -61,62 +64,38 @@ def bucket_for(n: int) -> int | None:
     return next((b for b in BUCKETS if b >= n), None)
 
 
-def path_in_place(keep: torch.Tensor) -> bool:
-    """Whether the accepted tree nodes `keep` [K] already sit in the first K tree slots."""
-    return keep.tolist() == list(range(len(keep)))
-
-
 def supported(config) -> bool:
     """Llama-family decoder with full attention in every layer (no sliding window)."""
     layer_types = getattr(config, "layer_types", None) or []
     return config.model_type in SUPPORTED and all(t == "full_attention" for t in layer_types)
 
 
-class StaticKV:
-    """Preallocated cache. k[i], v[i]: [1, Hkv, capacity, D] per layer i (separate tensors, so a
-    compiled step updates each in place; views of one tensor would make it copy the whole cache);
-    slots < `length` hold the context."""
+class LazyLogits:
+    """A forward's logits, indexable by node without the LM head over every row: the acceptance walk
+    reads only the nodes on its path (tau of them), so the LM head (49k x 576 for SmolLM2: a fifth
+    of the model, and at 16 rows slower per row than at 1) runs over those rows only."""
 
-    def __init__(self, layers: int, n_kv: int, head_dim: int, capacity: int, dtype, device):
-        self.k = [torch.zeros(1, n_kv, capacity, head_dim, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros_like(t) for t in self.k]
-        self.length = 0
-        self._inputs: dict[int, dict[str, torch.Tensor]] = {}
+    def __init__(self, h: torch.Tensor, lm_head):
+        self.h, self.lm_head = h, lm_head  # h [N, H] final-normed states
+        self.rows: dict[int, torch.Tensor] = {}
 
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[2]
+    def __len__(self) -> int:
+        return self.h.shape[0]
 
-    def inputs(self, bucket: int) -> dict[str, torch.Tensor]:
-        """Reused input buffers of the compiled step for one bucket size: mask [Nb, capacity] bool,
-        ids, pos, slots, rows (0..Nb-1) [Nb] long, causal [Nb, Nb] bool."""
-        if bucket not in self._inputs:
-            dev = self.k[0].device
-            z = torch.zeros(bucket, dtype=torch.long, device=dev)
-            self._inputs[bucket] = {"mask": torch.zeros(bucket, self.capacity, dtype=torch.bool, device=dev),
-                                    "ids": z.clone(), "pos": z.clone(), "slots": z.clone(),
-                                    "rows": torch.arange(bucket, device=dev), "causal": causal(bucket, dev)}
-        return self._inputs[bucket]
-
-    def compact(self, start: int, keep: torch.Tensor) -> None:
-        """Keep slots [:start] and the tree slots start+keep [K] (in order) at start..start+K-1."""
-        n = len(keep)
-        if path_in_place(keep):  # always, for plain decoding
-            self.length = start + n
-            return
-        idx = start + keep
-        for t in (*self.k, *self.v):
-            t[:, :, start:start + n] = t[:, :, idx]  # the gather copies first: no aliasing
-        self.length = start + n
+    def __getitem__(self, i) -> torch.Tensor:
+        """float32 logits: [V] of node i (computed once), [k, V] for a slice or index tensor."""
+        if not isinstance(i, int):
+            return self.lm_head(self.h[i]).float()
+        i = range(len(self))[i]  # a negative index counts from the end
+        if i not in self.rows:
+            self.rows[i] = self.lm_head(self.h[i:i + 1]).float()[0]
+        return self.rows[i]
 
 
-def causal(n: int, device) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril_()  # [N, N]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, D]; cos/sin broadcastable to it (rotate-half convention, as Llama/Qwen)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def fuse_linears(parts: list[nn.Linear]) -> nn.Linear | None:
@@ -181,15 +160,17 @@ class FastPath:
         p = next(self.model.parameters())
         return StaticKV(len(self.decoder.layers), self.n_kv, self.head_dim, cap, p.dtype, p.device)
 
-    # ---- the step ----
-    def _layers(self, x, pos, slots, mask, k_cache: list, v_cache: list, n_keys: int | None, tap_ids: tuple):
-        """x [N, H]; pos, slots [N]; mask [N, n_keys or capacity] bool.
+    # ---- the forward ----
+    def _decode(self, x, pos, slots, mask, cache: StaticKV, tap_ids: tuple):
+        """x [N, H]; pos, slots [N]; mask [N, S] bool over the cache slots [:S] to attend to.
 
-        Returns h [N, H] (final-normed) and the outputs [N, H] of the layers `tap_ids`, in order."""
+        Returns h [N, H] (final-normed) and the features [N, taps*H]: the outputs of the layers
+        `tap_ids`, in order (no columns without taps)."""
         x = x[None]  # [1, N, H]
         cos, sin = self.decoder.rotary_emb(x, pos[None])  # [1, N, D]
         cos, sin = cos[:, None], sin[:, None]             # [1, 1, N, D]
         attn_mask = mask[None, None]                      # [1, 1, N, S]
+        width = mask.shape[-1]
         taps = {}
         for i, layer in enumerate(self.decoder.layers):
             a = layer.self_attn
@@ -204,14 +185,9 @@ class FastPath:
             v = v.view(1, -1, self.n_kv, self.head_dim).transpose(1, 2)  # [1, Hkv, N, D]
             if self.qk_norm:
                 q, k = a.q_norm(q), a.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            k_cache[i].index_copy_(2, slots, k.to(k_cache[i].dtype))  # [1, Hkv, S, D]
-            v_cache[i].index_copy_(2, slots, v.to(v_cache[i].dtype))
-            keys, values = k_cache[i], v_cache[i]  # [1, Hkv, S, D]
-            if n_keys is not None:
-                keys, values = keys[:, :, :n_keys].to(q.dtype), values[:, :, :n_keys].to(q.dtype)
+            q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+            keys, values = cache.update(k, v, i, slots)  # [1, Hkv, S', D], S' >= S
+            keys, values = keys[:, :, :width].to(q.dtype), values[:, :, :width].to(q.dtype)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scaling,
                                                enable_gqa=True)  # [1, Hq, N, D]
             x = x + linear(a.o_proj, o.transpose(1, 2).reshape(1, o.shape[2], -1))
@@ -223,12 +199,12 @@ class FastPath:
                 x = x + layer.mlp(h)
             if i in tap_ids:
                 taps[i] = x[0]
-        return self.decoder.norm(x[0]), [taps[i] for i in tap_ids]
+        h = self.decoder.norm(x[0])
+        return h, (torch.cat([taps[i] for i in tap_ids], -1) if tap_ids else h[:, :0])
 
-    def _step(self, ids, pos, slots, mask, k_cache, v_cache, tap_ids: tuple):
-        """The compiled unit: float32 logits [N, V] of every row and the taps [N, taps*H]."""
-        h, taps = self._layers(self.decoder.embed_tokens(ids), pos, slots, mask, k_cache, v_cache, None, tap_ids)
-        feats = torch.cat(taps, -1) if taps else h[:, :0]
+    def _step(self, ids, pos, slots, mask, cache: StaticKV, tap_ids: tuple):
+        """The compiled unit: `_decode` and the LM head over every row: float32 logits [N, V], features."""
+        h, feats = self._decode(self.decoder.embed_tokens(ids), pos, slots, mask, cache, tap_ids)
         return self.model.get_output_embeddings()(h).float(), feats
 
     def _compiled_step(self, tap_ids: tuple):
@@ -240,31 +216,34 @@ class FastPath:
         return self._compiled[tap_ids]
 
     @torch.no_grad()
-    def forward(self, cache: StaticKV, ids, positions, start: int, tree_mask, tap_ids: list[int]):
-        """ids, positions [N] for slots start..start+N-1; tree_mask [N, N] bool among the new
-        tokens (None: causal). Returns (h, features [N, taps*H] or None, logits). Eager: h the
-        final-normed states [N, H], logits None. Compiled: h None, logits float32 [N, V] of every row:
-        inside the compiled graph the LM head uses a prepacked weight, so one pass over the tree
-        costs about what one row costs eagerly."""
-        n, taps = len(ids), tuple(tap_ids)
+    def forward(self, ids, positions, cache: StaticKV, tree_mask, tap_ids: list[int]):
+        """ids, positions [N] into slots cache.length.. ; tree_mask [N, N] bool among the new tokens
+        (None: causal). Returns (logits, features [N, taps*H] or None). Eager: a `LazyLogits`.
+        Compiled: float32 logits [N, V] of every row: inside the compiled graph the LM head uses a
+        prepacked weight, so one pass over the tree costs about what one row costs eagerly."""
+        n, taps, start = len(ids), tuple(tap_ids), cache.length
         end = start + n
         if end > cache.capacity:
             raise TreeflashError(f"KV cache of {cache.capacity} slots is full (needed {end})")
-        dev = ids.device
         bucket = bucket_for(n)
         flat_prefill = tree_mask is None and n > 1
         if self.compile and not flat_prefill and bucket is not None and start + bucket <= cache.capacity:
             logits, feats = self._run_compiled(cache, ids, positions, start, tree_mask, taps, bucket)
-            return None, (feats if taps else None), logits
-        mask = torch.ones(n, end, dtype=torch.bool, device=dev)  # [N, start+N]
-        mask[:, start:] = causal(n, dev) if tree_mask is None else tree_mask
-        slots = torch.arange(start, end, device=dev)
+        else:
+            logits, feats = self._run_eager(cache, ids, positions, start, tree_mask, taps, flat_prefill)
+        cache.length = end
+        return logits, (feats if taps else None)
+
+    def _run_eager(self, cache, ids, positions, start, tree_mask, taps, flat_prefill):
+        n, dev = len(ids), ids.device
+        mask = attention_mask(start, tree_mask, torch.empty(n, start + n, dtype=torch.bool, device=dev))
+        slots = torch.arange(start, start + n, device=dev)
         x = self.decoder.embed_tokens(ids)  # [N, H]
         dtype = x.dtype
         if self.upcast and flat_prefill and n >= UPCAST_MIN_ROWS:
             x = x.float()
-        h, tap_list = self._layers(x, positions, slots, mask, cache.k, cache.v, end, taps)
-        return h.to(dtype), (torch.cat(tap_list, -1).to(dtype) if tap_list else None), None
+        h, feats = self._decode(x, positions, slots, mask, cache, taps)
+        return LazyLogits(h.to(dtype), self.model.get_output_embeddings()), feats.to(dtype)
 
     @torch.no_grad()  # as `forward` runs: grad mode is part of what a compiled graph checks
     def warm(self, sizes, tap_ids: list[int]) -> None:
@@ -288,19 +267,16 @@ class FastPath:
         n = len(ids)
         b = cache.inputs(bucket)  # preallocated per cache and bucket: no per-step allocation
         mask = b["mask"]  # [Nb, capacity]
-        mask.zero_()
-        mask[:, :start] = True
-        if tree_mask is None:
-            mask[:n, start:start + n] = b["causal"][:n, :n]
-        else:
-            mask[:n, start:start + n] = tree_mask
+        attention_mask(start, tree_mask, mask[:n])
         pad = bucket - n
         b["ids"][:n] = ids
         b["pos"][:n] = positions
-        if pad:  # padded rows attend to their own slot only; their cache slots are scratch
+        if pad:  # padded rows see the context and their own slot; their cache slots are scratch
+            mask[n:] = False
+            mask[n:, :start] = True
             mask[b["rows"][n:], start + b["rows"][n:]] = True
             b["ids"][n:] = 0
             b["pos"][n:] = positions[-1]
         torch.add(b["rows"], start, out=b["slots"])
-        out, feats = self._compiled_step(taps)(b["ids"], b["pos"], b["slots"], mask, cache.k, cache.v, taps)
-        return out[:n], feats[:n]
+        logits, feats = self._compiled_step(taps)(b["ids"], b["pos"], b["slots"], mask, cache, taps)
+        return logits[:n], feats[:n]

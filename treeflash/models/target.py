@@ -1,21 +1,25 @@
 """The target LLM: any Hugging Face causal LM with embed_tokens / lm_head.
 
-- hidden states of chosen layers are captured with forward hooks (not output_hidden_states),
-- `forward` appends a flat sequence or a draft tree to the KV cache (ancestor-only mask among
-  the new tokens, positions start+depth) and returns its logits and tap features,
-- `compact` keeps only the accepted path in the KV cache.
+- `forward(ids, positions, cache, mask)` appends a flat sequence or a draft tree to the KV cache
+  (ancestor-only mask among the new tokens, positions start+depth) and returns its logits
+  (indexable by node, on every backend) and the features of the tap layers,
+- the cache (`kvcache.KVCache`, from `new_cache`) owns its update and its compaction to the
+  accepted path (`cache.compact`).
 
-Backends (`set_backend`): `hf` runs the model's own forward over a DynamicCache (any causal LM);
-`static` and `compiled` run `fastpath.FastPath` (Llama-family) over a preallocated cache.
+Backends (`set_backend`) are forward paths with one interface (`new_cache`, `forward`, `warm`):
+`hf` (`HFPath`) runs the model's own forward over Hugging Face's DynamicCache (any causal LM;
+tap features by forward hooks); `static` and `compiled` run `fastpath.FastPath` (Llama-family)
+over a preallocated cache.
 """
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import TreeflashError
 from . import registry
-from .fastpath import FastPath, StaticKV, cpu_flags, path_in_place, supported
+from .fastpath import FastPath, LazyLogits, cpu_flags, supported
+from .kvcache import HFCache, KVCache, attention_mask
 
 BACKENDS = ("auto", "hf", "static", "compiled")
 
@@ -40,23 +44,33 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-class LazyLogits:
-    """A tree's target logits, row by row on demand. The acceptance walk reads only the nodes on
-    its path (tau of them), so the LM head (49k x 576 for SmolLM2: a fifth of the model, and at
-    16 rows slower per row than at 1) runs over those rows instead of the whole tree."""
+class HFPath:
+    """The model's own decoder forward over an `HFCache` (any causal LM); the tap features come from
+    the forward hooks of `Target.set_taps` (into `captured`)."""
 
-    def __init__(self, h: torch.Tensor, lm_head):
-        self.h, self.lm_head = h, lm_head  # h [N, H] final-normed states
-        self.rows: dict[int, torch.Tensor] = {}
+    def __init__(self, model, captured: dict[int, torch.Tensor]):
+        self.model, self.decoder, self.captured = model, model.get_decoder(), captured
+        self.dtype = next(model.parameters()).dtype
 
-    def __len__(self) -> int:
-        return self.h.shape[0]
+    def new_cache(self, need: int, max_length: int) -> HFCache:
+        return HFCache(config=self.model.config)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        """logits [V] float32 of node i."""
-        if i not in self.rows:
-            self.rows[i] = self.lm_head(self.h[i:i + 1]).float()[0]
-        return self.rows[i]
+    def warm(self, sizes, tap_ids: list[int]) -> None:
+        """Nothing to compile."""
+
+    def forward(self, ids, positions, cache: HFCache, tree_mask, tap_ids: list[int]):
+        """As `FastPath.forward`; a flat sequence (tree_mask None) gets the model's own causal mask."""
+        attn = None
+        if tree_mask is not None:  # as an additive float mask [1, 1, N, start+N]
+            n, start, dev = len(ids), cache.length, ids.device
+            allowed = attention_mask(start, tree_mask, torch.empty(n, start + n, dtype=torch.bool, device=dev))
+            attn = torch.zeros(allowed.shape, dtype=self.dtype, device=dev)
+            attn = attn.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
+        self.captured.clear()
+        out = self.decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=attn,
+                           cache=cache, use_cache=True)
+        feats = torch.cat([self.captured[i][0] for i in tap_ids], -1) if tap_ids else None
+        return LazyLogits(out.last_hidden_state[0], self.model.get_output_embeddings()), feats
 
 
 class Target:
@@ -79,7 +93,7 @@ class Target:
         self._taps: dict[int, torch.Tensor] = {}
         self._hooks = []
         self.tap_ids: list[int] = []
-        self.fast: FastPath | None = None
+        self.runner: HFPath | FastPath = HFPath(self.model, self._taps)
         self.backend = "hf"
 
     def quantize(self, mode: str) -> "Target":
@@ -93,8 +107,7 @@ class Target:
             quantize_linears(self.model, mode)
             self.lm_head = self.model.get_output_embeddings()
             self.quantization = mode
-            if self.fast is not None:  # its fused matmuls hold the unquantized weights
-                self.set_backend(self.backend)
+            self.set_backend(self.backend)  # the static path's fused matmuls hold the unquantized weights
         return self
 
     def set_backend(self, name: str) -> "Target":
@@ -103,15 +116,10 @@ class Target:
             raise TreeflashError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
         if name == "auto":
             name = "static" if supported(self.config) else "hf"
-        self.fast = None if name == "hf" else FastPath(self.model, compile=name == "compiled")
+        self.runner = (HFPath(self.model, self._taps) if name == "hf"
+                       else FastPath(self.model, compile=name == "compiled"))
         self.backend = name
         return self
-
-    @property
-    def head_in_forward(self) -> bool:
-        """Whether tree forwards return every row's logits (the compiled path runs the LM head
-        inside its graph) rather than a per-row lazy head."""
-        return self.backend == "compiled"
 
     # ---- loading ----
     @classmethod
@@ -139,8 +147,7 @@ class Target:
 
     def warm(self, tree_sizes) -> None:
         """Compile the compiled backend's steps for these tree sizes now (no-op on other backends)."""
-        if self.fast is not None:
-            self.fast.warm(tree_sizes, self.tap_ids)
+        self.runner.warm(tree_sizes, self.tap_ids)
 
     def _hook(self, i: int):
         def fn(_module, _inp, out):
@@ -148,70 +155,21 @@ class Target:
         return fn
 
     # ---- forward ----
-    def new_cache(self, need: int | None = None) -> DynamicCache | StaticKV:
+    def new_cache(self, need: int | None = None) -> KVCache:
         """An empty KV cache for at most `need` tokens (the static backends preallocate it)."""
-        if self.fast is None:
-            return DynamicCache(config=self.config)
-        return self.fast.new_cache(need or self.max_length, self.max_length)
-
-    @staticmethod
-    def cache_length(cache: DynamicCache | StaticKV) -> int:
-        return cache.length if isinstance(cache, StaticKV) else cache.get_seq_length()
+        return self.runner.new_cache(need or self.max_length, self.max_length)
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | StaticKV,
-                tree_mask: torch.Tensor | None = None, logits_rows: slice | torch.Tensor | None = None,
-                lazy: bool = False):
-        """Append ids, positions [N] to the cache. tree_mask [N, N] bool (True = may attend) among
-        the new tokens, or None for causal; every new token sees the whole cache before it.
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                mask: torch.Tensor | None = None):
+        """Append ids, positions [N] to the cache. mask [N, N] bool (True = may attend) among the
+        new tokens, or None for causal; every new token sees the whole cache before it.
 
-        Returns logits [n, V] (float32, for `logits_rows` or all N; with `lazy`, a `LazyLogits`
-        that runs the LM head per row on first access) and features [N, taps*H] (None without
-        taps). All tensors on self.device.
-        """
-        start = self.cache_length(cache)
-        logits = None
-        if isinstance(cache, StaticKV):
-            h, feats, logits = self.fast.forward(cache, ids, positions, start, tree_mask, self.tap_ids)
-            cache.length = start + len(ids)
-        else:
-            h, feats = self._hf_forward(ids, positions, cache, start, tree_mask)
-        if logits is not None:  # the compiled step ran the LM head over every row
-            return (logits if lazy or logits_rows is None else logits[logits_rows]), feats
-        if lazy:
-            return LazyLogits(h, self.lm_head), feats
-        if logits_rows is not None:
-            h = h[logits_rows]
-        return self.lm_head(h).float(), feats
-
-    def _hf_forward(self, ids, positions, cache: DynamicCache, start: int, tree_mask):
-        """The model's own decoder forward: final states h [N, H] and tap features (hooks)."""
-        attn = None
-        if tree_mask is not None:
-            attn = torch.zeros(len(ids), start + len(ids), dtype=self.dtype, device=self.device)
-            attn[:, start:].masked_fill_(~tree_mask, torch.finfo(self.dtype).min)
-            attn = attn[None, None]  # [1, 1, N, start+N]
-        self._taps.clear()
-        out = self.decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=attn,
-                           cache=cache, use_cache=True)
-        feats = torch.cat([self._taps[i][0] for i in self.tap_ids], -1) if self.tap_ids else None
-        return out.last_hidden_state[0], feats
-
-    @staticmethod
-    def compact(cache: DynamicCache | StaticKV, start: int, keep: torch.Tensor) -> None:
-        """Keep cache[:start] and the tree nodes `keep` [K] (indices relative to start), in order."""
-        if isinstance(cache, StaticKV):
-            cache.compact(start, keep)
-            return
-        if path_in_place(keep):  # drop the rest
-            drop = cache.get_seq_length() - start - len(keep)
-            if drop > 0:
-                cache.crop(-drop)  # transformers 5: a negative count of tokens to remove
-            return
-        for layer in cache.layers:
-            idx = start + keep
-            layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, idx]], 2)
-            layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, idx]], 2)
+        Returns logits and features [N, taps*H] (None without taps), on self.device. The logits
+        are indexable by node: logits[i] [V], logits[rows] [k, V], float32; eagerly a `LazyLogits`
+        (the LM head runs over the rows read), compiled a tensor (the compiled step ran the head
+        over every row)."""
+        return self.runner.forward(ids, positions, cache, mask, self.tap_ids)
 
     # ---- text ----
     def encode(self, prompt: str | list[dict] | list[int], chat: bool = True) -> list[int]:

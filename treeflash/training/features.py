@@ -67,8 +67,8 @@ def sequence_features(target: Target, ids: list[int], top_k: int) -> dict[str, t
     """One target forward over a whole sequence -> feats [T, taps*H] fp16, top-K next-token log-probs."""
     x = torch.tensor(ids, device=target.device)
     pos = torch.arange(len(ids), device=target.device)
-    logits, feats = target.forward(x, pos, target.new_cache())  # [T, V], [T, taps*H]
-    vals, idx = logits.log_softmax(-1).topk(top_k, -1)  # [T, K]
+    logits, feats = target.forward(x, pos, target.new_cache())
+    vals, idx = logits[:].log_softmax(-1).topk(top_k, -1)  # [T, V] -> [T, K]; feats [T, taps*H]
     return {"feats": feats.to(torch.float16).cpu(), "top_idx": idx.to(torch.int32).cpu(),
             "top_logp": vals.to(torch.float16).cpu()}
 
