@@ -107,7 +107,8 @@ class Target:
             quantize_linears(self.model, mode)
             self.lm_head = self.model.get_output_embeddings()
             self.quantization = mode
-            self.set_backend(self.backend)  # the static path's fused matmuls hold the unquantized weights
+            self.__dict__.pop("_runners", None)  # the static path's fused matmuls hold the unquantized weights
+            self.set_backend(self.backend)
         return self
 
     def set_backend(self, name: str) -> "Target":
@@ -116,9 +117,11 @@ class Target:
             raise TreeflashError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
         if name == "auto":
             name = "static" if supported(self.config) else "hf"
-        self.runner = (HFPath(self.model, self._taps) if name == "hf"
-                       else FastPath(self.model, compile=name == "compiled"))
-        self.backend = name
+        runners = self.__dict__.setdefault("_runners", {})  # kept: engines sharing this target switch cheaply
+        if name not in runners:
+            runners[name] = (HFPath(self.model, self._taps) if name == "hf"
+                             else FastPath(self.model, compile=name == "compiled"))
+        self.runner, self.backend = runners[name], name
         return self
 
     # ---- loading ----
