@@ -69,9 +69,10 @@ class OracleMarginal(_Oracle, Marginal):
 
 
 class OracleTreeFlash(_Oracle, TreeFlash):
-    def corrected_logp(self, h, root_token, cand, cols=None, prev_col=None, col_idx=None):
+    def corrected_logp(self, h, root_token, prev, cols=None):
         assert cols is None, "the oracle boosts token ids: use stage2_vocab=0"
-        logp = super().corrected_logp(h, root_token, cand, None, prev_col).clone()
+        logp = super().corrected_logp(h, root_token, prev).clone()
+        cand = self.draft_heads.tokens(prev)  # [D-1, m] token ids
         m = cand.shape[1]
         self._boost(logp[0], 1)
         for r in range(1, logp.shape[0]):

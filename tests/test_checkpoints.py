@@ -18,8 +18,9 @@ from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
 from treeflash.cli import main
 from treeflash.errors import TreeflashError
-from treeflash.models.drafter import (QWEN3_DEFAULTS, DraftCache, Drafter, DrafterConfig, check_fits,
-                                      default_target_layer_ids, load_drafter)
+from treeflash.models.drafter import DraftCache, Drafter
+from treeflash.models.drafter_config import QWEN3_DEFAULTS, DrafterConfig, check_fits, default_target_layer_ids
+from treeflash.models.drafter_io import load_drafter
 from treeflash.models.target import Target
 
 H, NH, NKV, HD, INTER = 64, 4, 2, 32, 96  # head_dim 32 != H / NH on purpose
@@ -440,7 +441,8 @@ def test_draft_vocabulary_round_trips_restricts_proposals_and_rejects_bad_files(
 
     from treeflash.decoding.proposers import TreeParams, make_proposer
     from treeflash.errors import TreeflashError
-    from treeflash.models.drafter import DRAFT_VOCAB_NAME, DraftCache, load_drafter
+    from treeflash.models.drafter import DraftCache
+    from treeflash.models.drafter_io import DRAFT_VOCAB_NAME, load_drafter
     from conftest import run, tiny_drafter, tiny_target, vanilla
 
     target = tiny_target("llama", logit_scale=3.0)
@@ -470,7 +472,7 @@ def test_draft_vocabulary_round_trips_restricts_proposals_and_rejects_bad_files(
 
 def test_default_tap_layers_are_in_range_for_every_depth():
     """DFlash's rule (layer 1 .. L-3) must not index outside shallow targets (it gave -1 for L=2)."""
-    from treeflash.models.drafter import default_target_layer_ids
+    from treeflash.models.drafter_config import default_target_layer_ids
 
     assert default_target_layer_ids(30, 4) == [1, 10, 18, 27]  # the shipped drafter's taps
     for L in range(1, 41):
@@ -481,8 +483,9 @@ def test_default_tap_layers_are_in_range_for_every_depth():
 
 def test_factored_correction_and_prev_table_match_the_plain_correction():
     """The inference split of the AR correction (state half per position, previous-token half from
-    a per-token table) computes the same corrected states as `corrected`, and the table follows
-    weight updates."""
+    a per-token table) computes the same corrected states as `Drafter.corrected`, and the table
+    follows weight updates."""
+    from treeflash.decoding.heads import DraftHeads
     from treeflash.decoding.proposers import TreeParams, make_proposer
     from conftest import tiny_drafter, tiny_target
 
@@ -495,18 +498,19 @@ def test_factored_correction_and_prev_table_match_the_plain_correction():
     h = torch.randn(4, 64)                     # [P, H] pre-norm states
     row_pos = torch.tensor([0, 1, 1, 2, 3, 3])  # [R]
     prev = torch.tensor([5, 8, 10, 3, 7, 2])    # [R] previous tokens
+    heads = DraftHeads(d, target.embed, target.lm_head)
     with torch.no_grad():
         want = d.corrected(h[row_pos], target.embed(prev))
         assert (want - d.model.norm(h[row_pos])).abs().max() > 1e-2
-        got = d.corrected_rows(h, row_pos, d.ar_approximation.prev_part(target.embed(prev)))
+        got = heads.corrected_states(h, row_pos, d.ar_approximation.prev_part(target.embed(prev)))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        table = d.prev_table(target.embed)   # [Vd, 2A]
+        table = heads.prev_table()           # [Vd, 2A]
         cols = torch.tensor([4, 5, 1, 3])    # tokens 8, 10, 2, 6
         torch.testing.assert_close(table[cols], d.ar_approximation.prev_part(target.embed(d.draft_vocab[cols])))
         d.ar_approximation.ug.weight.mul_(2)  # an in-place update (as an optimizer step)
-        torch.testing.assert_close(d.prev_table(target.embed)[cols],
+        torch.testing.assert_close(heads.prev_table()[cols],
                                    d.ar_approximation.prev_part(target.embed(d.draft_vocab[cols])))
-        assert not torch.allclose(d.prev_table(target.embed)[cols], table[cols])
+        assert not torch.allclose(heads.prev_table()[cols], table[cols])
     # the proposer's table path and its lookup path build the same tree
     from treeflash.models.drafter import DraftCache
     cache = DraftCache(1)
@@ -515,14 +519,16 @@ def test_factored_correction_and_prev_table_match_the_plain_correction():
                       TreeParams(10, top_m=3, top_k=3, stage2_vocab=8))
     roots = (5, 6)  # 6 is in the draft vocabulary: the root's half comes from the table too
     trees = [p.propose(cache, r, 6, 4) for r in roots]
-    # stage-2 columns read from the draft head's rows equal the LM head's rows of those tokens
-    h, cand = torch.randn(5, 64), torch.tensor([[0, 2, 4], [6, 8, 10], [12, 14, 16], [18, 20, 22]])
-    col_idx = torch.randint(0, 64, (4, 8))
+    # over draft-vocabulary columns (the table's previous-token halves, the draft head's rows) stage 2
+    # equals stage 2 over the same tokens' ids (halves computed per row, the LM head's rows)
+    h, prev = torch.randn(5, 64), torch.arange(9).view(3, 3)  # [D+1, H], [D-1, m] columns (tokens 0, 2, ..)
+    col_idx = torch.randint(0, 64, (4, 8))                     # [D, C] columns
+    by_id = DraftHeads(d, target.embed, target.lm_head, draft_vocab=False)
     with torch.no_grad():
-        torch.testing.assert_close(p.corrected_logp(h, 6, cand, d.draft_vocab[col_idx], None, col_idx),
-                                   p.corrected_logp(h, 6, cand, d.draft_vocab[col_idx]))
-    d.PREV_TABLE_MAX_BYTES = 0  # no table: the previous-token half is computed per row
-    assert d.prev_table(target.embed) is None
+        torch.testing.assert_close(p.draft_heads.corrected(h, 6, prev, col_idx),
+                                   by_id.corrected(h, 6, d.draft_vocab[prev], d.draft_vocab[col_idx]))
+    p.draft_heads.PREV_TABLE_MAX_BYTES = 0  # no table: the previous-token half is computed per row
+    assert p.draft_heads.prev_table() is None
     for r, tree in zip(roots, trees):
         again = p.propose(cache, r, 6, 4)
         assert torch.equal(tree.tokens, again.tokens) and torch.equal(tree.parents, again.parents)
@@ -535,7 +541,7 @@ def test_engine_layout_exports_hold_only_the_model_and_are_world_readable(tmp_pa
     import os
     import stat
 
-    from treeflash.models.drafter import DRAFT_VOCAB_NAME, load_drafter
+    from treeflash.models.drafter_io import DRAFT_VOCAB_NAME, load_drafter
     from conftest import tiny_drafter, tiny_target
 
     d = tiny_drafter(tiny_target("llama"))

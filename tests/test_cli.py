@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from treeflash.cli import main
-from treeflash.models.drafter import Drafter, DrafterConfig
+from treeflash.models.drafter import Drafter
+from treeflash.models.drafter_config import DrafterConfig
 
 pytestmark = pytest.mark.slow  # the real default target (cached per process)
 

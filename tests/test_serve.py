@@ -124,7 +124,7 @@ def server(model_dirs, tmp_path_factory):
 def engine(model_dirs):
     """The same target and drafter, in-process: the reference for greedy answers."""
     from treeflash.api import Engine
-    from treeflash.models.drafter import load_drafter
+    from treeflash.models.drafter_io import load_drafter
     from treeflash.models.target import Target
 
     target_dir, drafter_dir = model_dirs

@@ -14,7 +14,9 @@ from .decoding.proposers import make_proposer
 from .decoding.text import TextAssembler
 from .errors import TreeflashError
 from .models import registry
-from .models.drafter import Drafter, DrafterConfig, check_fits, load_drafter
+from .models.drafter import Drafter
+from .models.drafter_config import DrafterConfig, check_fits
+from .models.drafter_io import load_drafter
 from .models.target import Target, parse_dtype
 
 

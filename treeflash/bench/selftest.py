@@ -121,7 +121,7 @@ def bench_target(name: str, device: str):
     model = random_model("llama", 0, device, **SMOLLM2_SHAPE).to(torch.bfloat16)
     target = Target(model, NoTokenizer(SMOLLM2_SHAPE["vocab_size"]), name="random-smollm2-shape")
     from ..models import registry
-    from ..models.drafter import load_drafter
+    from ..models.drafter_io import load_drafter
 
     drafter = load_drafter(registry.resolve_drafter("smollm2-135m-treeflash", "smollm2-135m"), dtype=torch.bfloat16)
     engine = api.Engine(target, drafter)

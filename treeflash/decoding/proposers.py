@@ -13,6 +13,7 @@ import torch
 
 from ..errors import TreeflashError
 from ..models.drafter import DraftCache, Drafter
+from .heads import DraftHeads
 from .lookup import Branches, LookupIndex, LookupParams, LookupScores
 from .trees import (Tree, TransitionTables, best_first, chain_transitions, marginal_transitions,
                     treeflash_transitions)
@@ -51,6 +52,7 @@ def root_only(root_token: int) -> Tree:
 class Proposer:
     """Turns one drafter block pass (and, with lookup, the lookup trie) into a tree: `draft`
     (drafter forward + heads -> tables), `lookup_branches`, then `build` (pure tree construction).
+    The heads (`draft_heads`, decoding/heads.py) turn the drafter's states into log-probs.
     Timings are kept per phase: "draft" (drafter pass and heads), "tree" (lookup and building)."""
 
     name = "base"
@@ -58,6 +60,8 @@ class Proposer:
     def __init__(self, drafter: Drafter | None, embed, lm_head, params: TreeParams,
                  lookup: LookupParams | None = None, scores: LookupScores | None = None):
         self.drafter, self.embed, self.lm_head, self.params = drafter, embed, lm_head, params
+        self.draft_heads = (DraftHeads(drafter, embed, lm_head, params.draft_vocab)
+                            if drafter is not None else None)
         self.index = LookupIndex(lookup) if lookup is not None else None
         self.scores = scores if scores is not None or lookup is None else LookupScores.load()
         self.timings = {"draft": 0.0, "tree": 0.0}
@@ -94,23 +98,9 @@ class Proposer:
         ids[0] = root_token
         return self.drafter.draft(cache, self.embed(ids), start)
 
-    def marginal_sub(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """h [D+1, H] -> (log-probs [D, Vd] over the draft vocabulary, its ids [Vd]) for depths
-        1..D; without a draft vocabulary: ([D, V], None)."""
-        x = self.drafter.model.norm(h[1:])  # [D, H]
-        rows = self.drafter.draft_head(self.lm_head) if self.params.draft_vocab else None  # [Vd, H]
-        if rows is None:
-            return self.lm_head(x).float().log_softmax(-1), None
-        return (x @ rows.T).float().log_softmax(-1), self.drafter.draft_vocab.to(x.device)
-
     def marginal_logp(self, h: torch.Tensor) -> torch.Tensor:
         """h [D+1, H] -> log-probs [D, V] for depths 1..D (-inf outside the draft vocabulary)."""
-        sub, ids = self.marginal_sub(h)
-        if ids is None:
-            return sub
-        full = sub.new_full((sub.shape[0], self.lm_head.weight.shape[0]), float("-inf"))  # [D, V]
-        full[:, ids] = sub
-        return full
+        return self.draft_heads.to_full(self.draft_heads.marginal(h))
 
     def heads(self, h: torch.Tensor, root_token: int):
         return self.marginal_logp(h).cpu()
@@ -162,53 +152,26 @@ class TreeFlash(Proposer):
         """Stage 1: top-m marginal candidates; stage 2: corrected top-k per candidate previous token."""
         D = h.shape[0] - 1
         m, k = self.params.top_m, self.params.top_k
-        marginal, ids = self.marginal_sub(h)  # [D, Vd], [Vd] (or [D, V], None)
+        marginal = self.draft_heads.marginal(h)  # [D, Vd] over the draft-vocabulary columns
         if marginal.shape[1] < m:
             raise TreeflashError(f"top-m {m} exceeds the drafter's draft vocabulary ({marginal.shape[1]} tokens)")
         n_cols = min(max(self.params.stage2_vocab, m), marginal.shape[1]) if self.params.stage2_vocab else 0
-        top_col = marginal.topk(max(m, n_cols), -1).indices  # [D, max(m, C)], best first
-        top = ids[top_col] if ids is not None else top_col  # draft-vocabulary column -> token id
-        cand = top[:, :m]  # [D, m]
+        top = marginal.topk(max(m, n_cols), -1).indices  # [D, max(m, C)] columns, best first
         cols = top[:, :n_cols] if n_cols else None  # [D, C]
-        prev_col = top_col[:-1, :m].reshape(-1) if ids is not None else None  # [(D-1)*m]
-        col_idx = top_col[:, :n_cols] if n_cols and ids is not None else None  # [D, C]
-        logp = self.corrected_logp(h, root_token, cand, cols, prev_col, col_idx)  # [1 + (D-1)*m, C]
+        logp = self.corrected_logp(h, root_token, top[:-1, :m], cols)  # [1 + (D-1)*m, C]
         vals, idx = logp.topk(k, -1)  # [1 + (D-1)*m, k]
-        if cols is not None:  # column -> token id
-            idx = torch.cat([cols[0][idx[0]][None], cols[1:].repeat_interleave(m, 0).gather(1, idx[1:])])
+        if cols is not None:  # index among a depth's columns -> column -> token id
+            idx = self.draft_heads.tokens(torch.cat([cols[0][idx[0]][None],
+                                                     cols[1:].repeat_interleave(m, 0).gather(1, idx[1:])]))
+        cand = self.draft_heads.tokens(top[:, :m])  # [D, m] token ids
         idx, vals, cand = idx.cpu(), vals.cpu(), cand.cpu()  # tree building runs on the host
         return TransitionTables(cand, idx[0], vals[0], idx[1:].view(D - 1, m, k), vals[1:].view(D - 1, m, k))
 
-    def corrected_logp(self, h: torch.Tensor, root_token: int, cand: torch.Tensor,
-                       cols: torch.Tensor | None = None, prev_col: torch.Tensor | None = None,
-                       col_idx: torch.Tensor | None = None) -> torch.Tensor:
-        """Row 0: depth 1 given the root; row 1 + (d-1)*m + j: depth d+1 given cand[d-1, j].
-
-        h [D+1, H], cand [D, m], cols [D, C] token ids per depth (None: all V), prev_col
-        [(D-1)*m] the draft-vocabulary columns of cand[:-1] (None: look the tokens up), col_idx
-        [D, C] the draft-vocabulary columns of cols (None: read the LM head's rows of cols)
-        -> log-probs [1 + (D-1)*m, C] over those columns.
-        """
-        D, m = cand.shape
-        ar = self.drafter.ar_approximation
-        dev = h.device
-        # the AR correction's state half runs once per position, its previous-token half comes
-        # from the drafter's per-token table where there is one
-        row_pos = torch.cat([torch.zeros(1, dtype=torch.long, device=dev),
-                             torch.arange(1, D, device=dev).repeat_interleave(m)])  # [1 + (D-1)*m]
-        table = self.drafter.prev_table(self.embed) if prev_col is not None else None
-        root_col = self.drafter.draft_column(root_token) if table is not None else None
-        root_part = (table[root_col][None] if root_col is not None
-                     else ar.prev_part(self.embed(cand.new_tensor([root_token]))))  # [1, 2A]
-        cand_part = table[prev_col] if table is not None else ar.prev_part(self.embed(cand[:-1].reshape(-1)))
-        x = self.drafter.corrected_rows(h[1:], row_pos, torch.cat([root_part, cand_part]))  # [1 + (D-1)*m, H]
-        if cols is None:
-            return self.lm_head(x).float().log_softmax(-1)
-        rows = self.drafter.draft_head(self.lm_head) if col_idx is not None else None
-        w = rows[col_idx] if rows is not None else self.lm_head.weight[cols]  # [D, C, H]: same rows
-        first = x[:1] @ w[0].T  # [1, C]
-        rest = torch.bmm(x[1:].view(D - 1, m, x.shape[-1]), w[1:].transpose(1, 2)).view((D - 1) * m, w.shape[1])
-        return torch.cat([first, rest]).float().log_softmax(-1)  # normalised over the columns
+    def corrected_logp(self, h: torch.Tensor, root_token: int, prev: torch.Tensor,
+                       cols: torch.Tensor | None = None) -> torch.Tensor:
+        """h [D+1, H], prev [D-1, m], cols [D, C] columns -> log-probs [1 + (D-1)*m, C]: see
+        `DraftHeads.corrected`."""
+        return self.draft_heads.corrected(h, root_token, prev, cols)
 
     def transitions(self, tables):
         return treeflash_transitions(tables)

@@ -1,8 +1,9 @@
-"""DFlash block drafter with the optional TreeFlash AR-approximation.
+"""DFlash block drafter with the optional TreeFlash AR-approximation: the modules and the draft cache.
 
 One drafter pass reads a block `[last token, MASK x (B-1)]` and the fused hidden states of a few
 target layers (the *context*), and returns the block's hidden states. Block position i (1..B-1)
-predicts the token i steps after the last token, through the target's own (shared) LM head.
+predicts the token i steps after the last token, through the target's own (shared) LM head
+(decoding/heads.py at inference).
 
 Context features enter every layer only as extra keys/values: `hidden_norm(fc(concat(taps)))`
 goes through each layer's k_proj/v_proj (+k_norm, RoPE at the context positions). The block
@@ -13,240 +14,21 @@ TreeFlash: `ar_approximation` (SwiGLU over [RMSNorm(emb(prev token)), norm(h)]) 
 residual h before the final norm, turning the marginal at a position into a distribution
 conditioned on a chosen previous token.
 
-Parameter names and config fields follow the published DFlash/TreeFlash drafters: `layers.N.*`,
-`fc`, `hidden_norm`, `norm` (under `model.` in TreeFlash checkpoints) and `ar_approximation.*`.
-Two on-disk layouts (see docs/checkpoints.md):
-- "dflash": z-lab DFlash (`DFlashDraftModel`): body at the top level, no AR-approximation; what the
-  SGLang / vLLM DFlash loaders read.
-- "treeflash": TreeFlash (`TreeFlashDraftModel`): body under `model.`, plus `ar_approximation.*`.
+Parameter names follow the published DFlash/TreeFlash drafters: `layers.N.*`, `fc`, `hidden_norm`,
+`norm` (under `model.`) and `ar_approximation.*`. The config is models/drafter_config.py; the
+checkpoint files are models/drafter_io.py.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import TreeflashError
+from .drafter_config import DrafterConfig
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-DRAFT_VOCAB_NAME = "draft_vocab.safetensors"  # optional: {"token_ids": [Vd] int64}, the drafter's LM-head rows
-INDEX_NAME = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {tensor: file}}
-FORMATS = ("dflash", "treeflash")
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "treeflash": "TreeFlashDraftModel"}
-# trust_remote_code entry points of the published repos (the .py files are not shipped by us)
-AUTO_MAPS = {"dflash": {"AutoModel": "dflash.DFlashDraftModel"},
-             "treeflash": {"AutoModel": "tree_flash.TreeFlashDraftModel"}}
 AR_NORM_EPS = 1e-6  # the published SwiGLU AR-approximation hard-codes its norm's eps
-# Published loaders build a transformers Qwen3Config, so its defaults apply to absent fields.
-QWEN3_DEFAULTS = {
-    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0, "max_position_embeddings": 32768, "attention_bias": False,
-    "hidden_act": "silu",
-}
-# dflash_config keys of later DFlash variants whose math this drafter does not implement,
-# with the value that means "off".
-UNSUPPORTED_DFLASH_KEYS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
-                           "final_logit_softcapping": None, "attention_sink_bias": False,
-                           "use_swa": False, "causal": False, "conv_kernel_size": None,
-                           "selector_rank": None, "projector_type": "dflash"}
-
-
-def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """Evenly spread taps from layer 1 to layer L-3 (the DFlash rule); one tap -> the middle layer."""
-    if num_taps == 1:
-        return [num_target_layers // 2]
-    start = min(1, num_target_layers - 1)
-    end = max(start, num_target_layers - 3)  # shallow targets (< 4 layers): every tap stays in range
-    return [int(round(start + i * (end - start) / (num_taps - 1))) for i in range(num_taps)]
-
-
-@dataclass
-class DrafterConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    num_target_layers: int | None  # None: the checkpoint did not say (target_layer_ids given)
-    target_layer_ids: list[int]
-    mask_token_id: int
-    block_size: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 32768
-    attention_bias: bool = False
-    ar_approximation: str | None = "swiglu"  # None: plain DFlash drafter
-    ar_intermediate_size: int | None = None  # defaults to intermediate_size
-    candidate_tokens: int = 16  # published TreeFlash: default tree size (nodes verified, root included)
-    extra: dict = field(default_factory=dict)  # unknown config.json fields, kept on round trips
-
-    @property
-    def ar_size(self) -> int:
-        return self.ar_intermediate_size or self.intermediate_size
-
-    @classmethod
-    def for_target(cls, tcfg, *, num_layers: int = 1, num_taps: int = 4, block_size: int = 16,
-                   mask_token_id: int, treeflash: bool = True, **kw) -> "DrafterConfig":
-        """A drafter shaped like the target's own layers (so it can be initialised from them)."""
-        L = tcfg.num_hidden_layers
-        rope = getattr(tcfg, "rope_parameters", None) or {}
-        return cls(
-            hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
-            num_hidden_layers=num_layers, num_attention_heads=tcfg.num_attention_heads,
-            num_key_value_heads=tcfg.num_key_value_heads,
-            head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads,
-            vocab_size=tcfg.vocab_size, num_target_layers=L,
-            target_layer_ids=default_target_layer_ids(L, min(num_taps, L)),
-            mask_token_id=mask_token_id, block_size=block_size,
-            rms_norm_eps=tcfg.rms_norm_eps,
-            rope_theta=float(rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0))),
-            max_position_embeddings=tcfg.max_position_embeddings,
-            ar_approximation="swiglu" if treeflash else None, **kw)
-
-    @property
-    def default_format(self) -> str:
-        return "treeflash" if self.ar_approximation else "dflash"
-
-    # ---- HF-style config.json in the published layout ----
-    def to_dict(self, fmt: str | None = None) -> dict:
-        """config.json for `fmt` ("dflash" | "treeflash"; default: treeflash iff there is an AR part)."""
-        fmt = _check_format(fmt or self.default_format)
-        n = self.num_hidden_layers
-        d = {
-            "architectures": [ARCHITECTURES[fmt]], "auto_map": dict(AUTO_MAPS[fmt]),
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": n, "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
-            "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": self.attention_bias, "attention_dropout": 0.0, "hidden_act": "silu",
-            "layer_types": ["full_attention"] * n, "sliding_window": None, "use_sliding_window": False,
-            "max_window_layers": n, "tie_word_embeddings": False, "use_cache": True,
-            "block_size": self.block_size,
-            "dflash_config": {"mask_token_id": self.mask_token_id,
-                              "target_layer_ids": list(self.target_layer_ids)},
-        }
-        if self.num_target_layers is not None:
-            d["num_target_layers"] = self.num_target_layers
-        if fmt == "treeflash":
-            tf = {"ar_approximation": self.ar_approximation, "candidate_tokens": self.candidate_tokens}
-            if self.ar_size != self.intermediate_size:  # our extension; published code assumes equal
-                tf["intermediate_size"] = self.ar_size
-            d["treeflash_config"] = tf
-        return {**self.extra, **d}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "DrafterConfig":
-        """Parse a published DFlash / TreeFlash config.json (or ours)."""
-        if not isinstance(d, dict):
-            raise TreeflashError("bad drafter config: config.json is not a JSON object")
-        try:
-            return cls._from_dict(d)
-        except TreeflashError:
-            raise
-        except (KeyError, TypeError, ValueError) as e:
-            raise TreeflashError(f"bad drafter config: missing or invalid field {e}") from None
-
-    @classmethod
-    def _from_dict(cls, d: dict) -> "DrafterConfig":
-        dfl, tf = _sub_dict(d, "dflash_config"), _sub_dict(d, "treeflash_config")
-        _check_supported(d, dfl, tf)
-
-        def get(key):  # absent -> the Qwen3Config default, as in the published loaders
-            return d.get(key, QWEN3_DEFAULTS[key])
-
-        n = int(get("num_hidden_layers"))
-        L = dfl.get("num_target_layers", d.get("num_target_layers"))
-        L = None if L is None else int(L)
-        ids = dfl.get("target_layer_ids", d.get("target_layer_ids"))
-        if ids is None:
-            if L is None:
-                raise TreeflashError("bad drafter config: neither dflash_config.target_layer_ids nor "
-                                     "num_target_layers is set")
-            ids = default_target_layer_ids(L, n)  # the DFlash rule, one tap per drafter layer
-        if not isinstance(ids, list) or not ids:
-            raise TreeflashError(f"bad drafter config: dflash_config.target_layer_ids must be a "
-                                 f"non-empty list of layer ids, got {ids!r}")
-        mask = dfl.get("mask_token_id", d.get("mask_token_id"))
-        if mask is None or isinstance(mask, bool):
-            raise TreeflashError("bad drafter config: dflash_config.mask_token_id is missing (a token id "
-                                 "of the target vocabulary, e.g. 151669 for Qwen3)")
-        known = set(cls.__dataclass_fields__) | {"dflash_config", "treeflash_config", "rope_parameters",
-                                                 "rope_scaling", "hidden_act"}
-        return cls(
-            hidden_size=int(get("hidden_size")), intermediate_size=int(get("intermediate_size")),
-            num_hidden_layers=n, num_attention_heads=int(get("num_attention_heads")),
-            num_key_value_heads=int(get("num_key_value_heads")), head_dim=int(get("head_dim")),
-            vocab_size=int(get("vocab_size")), num_target_layers=L,
-            target_layer_ids=[int(i) for i in ids], mask_token_id=int(mask),
-            block_size=int(dfl.get("block_size", d.get("block_size", 16))),
-            rms_norm_eps=float(get("rms_norm_eps")), rope_theta=_rope_theta(d),
-            max_position_embeddings=int(get("max_position_embeddings")),
-            attention_bias=bool(get("attention_bias")),
-            ar_approximation=tf.get("ar_approximation"),
-            ar_intermediate_size=tf.get("intermediate_size"),
-            candidate_tokens=int(tf.get("candidate_tokens", 16)),
-            extra={k: v for k, v in d.items() if k not in known},
-        )
-
-
-def _check_format(fmt: str) -> str:
-    if fmt not in FORMATS:
-        raise TreeflashError(f"unknown drafter format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    return fmt
-
-
-def _sub_dict(d: dict, key: str) -> dict:
-    v = d.get(key)
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise TreeflashError(f"bad drafter config: {key} must be a JSON object, got {type(v).__name__}")
-    return v
-
-
-def _rope_theta(d: dict) -> float:
-    rope = _sub_dict(d, "rope_parameters")
-    return float(rope.get("rope_theta", d.get("rope_theta", QWEN3_DEFAULTS["rope_theta"])))
-
-
-def _check_supported(d: dict, dfl: dict, tf: dict) -> None:
-    """Refuse configs whose math this drafter does not implement (instead of drafting garbage)."""
-    arch = (d.get("architectures") or [None])[0]
-    if arch is not None and arch not in ARCHITECTURES.values():
-        raise TreeflashError(f"unsupported drafter architecture {arch!r}; supported: "
-                             f"{', '.join(ARCHITECTURES.values())}")
-    for key in ("rope_parameters", "rope_scaling"):
-        rope = _sub_dict(d, key)
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise TreeflashError(f"unsupported drafter RoPE type {kind!r} ({key}); only 'default' is supported")
-        if float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))) != 1.0:
-            raise TreeflashError("unsupported drafter config: partial_rotary_factor != 1")
-    if d.get("hidden_act", "silu") != "silu":
-        raise TreeflashError(f"unsupported drafter activation {d['hidden_act']!r}; only 'silu' is supported")
-    kinds = set(d.get("layer_types") or ["full_attention"])
-    if kinds != {"full_attention"} or d.get("is_causal"):
-        raise TreeflashError(f"unsupported drafter attention (layer_types {sorted(kinds)}, is_causal "
-                             f"{d.get('is_causal')}); only non-causal full attention is supported")
-    for key, off in UNSUPPORTED_DFLASH_KEYS.items():
-        if dfl.get(key, off) != off:
-            raise TreeflashError(f"unsupported drafter config: dflash_config.{key}={dfl[key]!r} "
-                                 "(a DFlash variant this engine does not implement)")
-    ar = tf.get("ar_approximation")
-    if ar not in (None, "swiglu"):
-        raise TreeflashError(f"unsupported treeflash_config.ar_approximation {ar!r}; expected 'swiglu' or null")
 
 
 class RMSNorm(nn.Module):
@@ -417,33 +199,11 @@ class Drafter(nn.Module):
         # Draft vocabulary (EAGLE-3 style): the token ids [Vd] the drafter proposes from; its LM head
         # runs over those rows only. None = the whole vocabulary. Verification never uses it.
         self.draft_vocab: torch.Tensor | None = None
-        self._head_rows: tuple | None = None
-        self._columns: tuple | None = None  # (draft_vocab ptr, {token: column})
-        self._prev_table: tuple | None = None
         self._compiled_block = self._compiled_extend_block = None
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
-
-    def draft_head(self, lm_head: nn.Module) -> torch.Tensor | None:
-        """lm_head.weight[draft_vocab] [Vd, H] (cached), or None without a draft vocabulary."""
-        if self.draft_vocab is None:
-            return None
-        w = lm_head.weight
-        key = (w.data_ptr(), w.dtype, w.device, self.draft_vocab.data_ptr())
-        if self._head_rows is None or self._head_rows[0] != key:
-            self._head_rows = (key, w[self.draft_vocab.to(w.device)].contiguous())
-        return self._head_rows[1]
-
-    def draft_column(self, token: int) -> int | None:
-        """The column of `token` in the draft vocabulary (None: not in it, or no draft vocabulary)."""
-        if self.draft_vocab is None:
-            return None
-        if self._columns is None or self._columns[0] != self.draft_vocab.data_ptr():
-            cols = dict((t, i) for i, t in enumerate(self.draft_vocab.tolist()))
-            self._columns = (self.draft_vocab.data_ptr(), cols)
-        return self._columns[1].get(int(token))
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "Drafter":
         g = torch.Generator().manual_seed(seed)
@@ -547,215 +307,15 @@ class Drafter(nn.Module):
             feats = torch.zeros(n, self.model.fc.in_features, dtype=p.dtype, device=p.device)
             self._compiled_extend_block(feats, torch.arange(n, device=p.device), block, pos, kv)
 
-    PREV_TABLE_MAX_BYTES = 128 << 20
-
-    def prev_table(self, embed: nn.Module) -> torch.Tensor | None:
-        """ar_approximation.prev_part of every draft-vocabulary token [Vd, 2A] (cached), or None
-        without a draft vocabulary or when the table would exceed PREV_TABLE_MAX_BYTES."""
-        ar = self.ar_approximation
-        if ar is None or self.draft_vocab is None:
-            return None
-        w = ar.ug.weight
-        if len(self.draft_vocab) * w.shape[0] * w.element_size() > self.PREV_TABLE_MAX_BYTES:
-            return None
-        key = (w.data_ptr(), w._version, embed.weight.data_ptr(), self.draft_vocab.data_ptr())
-        if self._prev_table is None or self._prev_table[0] != key:
-            with torch.no_grad():
-                table = ar.prev_part(embed(self.draft_vocab.to(w.device)))
-            self._prev_table = (key, table)
-        return self._prev_table[1]
-
-    def corrected_rows(self, h: torch.Tensor, row_pos: torch.Tensor, prev_part: torch.Tensor) -> torch.Tensor:
-        """TreeFlash-corrected, final-normed states for rows that share positions.
-
-        h [P, H] pre-norm states of P positions; row_pos [R] the position of each row; prev_part
-        [R, 2A] each row's previous-token half (`ARApproximation.prev_part` or `prev_table` rows)
-        -> [R, H]. Equals `corrected(h[row_pos], embed(prev))` up to rounding, for a fraction of
-        the matmuls when R >> P."""
-        ar = self.ar_approximation
-        ug = ar.state_part(h, self.model.norm)[row_pos] + prev_part  # [R, 2A]
-        return self.model.norm(ar.combine(h[row_pos], ug))
-
     def corrected(self, h: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
         """Final-normed states after the TreeFlash correction; without one, the marginal states."""
         if self.ar_approximation is not None:
             h = self.ar_approximation(h, prev_emb, self.model.norm)
         return self.model.norm(h)
 
-    # ---- I/O ----
-    def state_dict_for(self, fmt: str | None = None) -> dict[str, torch.Tensor]:
-        """Tensors under the published names of `fmt` (dflash: top level, without the AR part)."""
-        fmt = _check_format(fmt or self.config.default_format)
-        sd = self.state_dict()
-        if fmt == "dflash":
-            return {k.removeprefix("model."): v for k, v in sd.items() if k.startswith("model.")}
-        if self.ar_approximation is None:
-            raise TreeflashError("this drafter has no TreeFlash AR-approximation; export it with --format dflash")
-        return dict(sd)
-
     def save(self, out_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16,
              fmt: str | None = None) -> Path:
-        """Write config.json + model.safetensors in the published layout `fmt` (default: treeflash
-        when there is an AR-approximation, else dflash). Returns the directory.
+        """Write a checkpoint directory in the published layout `fmt`: see `drafter_io.save_drafter`."""
+        from .drafter_io import save_drafter  # drafter_io builds Drafters: imported on use
 
-        The draft vocabulary (`draft_vocab.safetensors`, this engine's own) is written beside the
-        treeflash layout only: engines that read the dflash layout load every *.safetensors in the
-        folder and reject unknown tensors (vLLM). Files are written world-readable (0644), so a
-        server running as another user can read them."""
-        from safetensors.torch import save_file
-
-        fmt = _check_format(fmt or self.config.default_format)
-        sd = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu()
-              for k, v in self.state_dict_for(fmt).items()}
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / (WEIGHTS_NAME + ".tmp")
-        save_file(sd, str(tmp), metadata={"format": "pt"})
-        tmp.replace(out / WEIGHTS_NAME)
-        (out / INDEX_NAME).unlink(missing_ok=True)  # a stale index would shadow the new file
-        cfg = self.config.to_dict(fmt)
-        cfg["dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")
-        (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
-        written = [out / WEIGHTS_NAME, out / CONFIG_NAME]
-        if self.draft_vocab is not None and fmt == "treeflash":
-            save_file({"token_ids": self.draft_vocab.long().cpu().contiguous()}, str(out / DRAFT_VOCAB_NAME))
-            written.append(out / DRAFT_VOCAB_NAME)
-        else:
-            (out / DRAFT_VOCAB_NAME).unlink(missing_ok=True)
-        for f in written:
-            f.chmod(0o644)
-        return out
-
-
-def _normalise_keys(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Published names -> ours: DFlash keeps the body at the top level, TreeFlash (and we) under
-    `model.`; `ar_approximation.*` stays. Rotary caches that some exporters save are dropped."""
-    out = {}
-    for k, v in sd.items():
-        if k.endswith("rotary_emb.inv_freq"):
-            continue
-        out[k if k.startswith(("model.", "ar_approximation.")) else "model." + k] = v
-    return out
-
-
-def _read_json(f: Path, what: str):
-    try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise TreeflashError(f"{what} {f}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise TreeflashError(f"{what} {f}: cannot read ({e})") from None
-
-
-def weight_files(p: Path) -> list[Path]:
-    """The safetensors files of a drafter directory: the shards named by the index, or the single file."""
-    index = p / INDEX_NAME
-    if index.exists():
-        data = _read_json(index, "drafter index")
-        wm = data.get("weight_map") if isinstance(data, dict) else None
-        if not isinstance(wm, dict) or not wm:
-            raise TreeflashError(f"drafter index {index}: no weight_map")
-        files = [p / f for f in sorted(set(wm.values()))]
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise TreeflashError(f"drafter {p}: shards named in {INDEX_NAME} are missing: {', '.join(missing)}")
-        return files
-    if (p / WEIGHTS_NAME).exists():
-        return [p / WEIGHTS_NAME]
-    raise TreeflashError(f"drafter {p}: missing {WEIGHTS_NAME} (or {INDEX_NAME} for a sharded checkpoint)")
-
-
-def read_weights(p: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    sd: dict[str, torch.Tensor] = {}
-    for f in weight_files(p):
-        try:
-            part = load_file(str(f))
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise TreeflashError(f"drafter {f}: corrupt safetensors file ({str(e).splitlines()[0]})") from None
-        dup = sorted(set(part) & set(sd))
-        if dup:
-            raise TreeflashError(f"drafter {p}: tensors stored twice across shards: {_names(dup)}")
-        sd.update(part)
-    return sd
-
-
-def _names(names: list[str], limit: int = 6) -> str:
-    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
-def _check_tensors(p: Path, model: Drafter, sd: dict[str, torch.Tensor]) -> None:
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
-    if missing:
-        raise TreeflashError(f"drafter {p}: missing tensors {_names(missing)}"
-                             + (f"; unexpected tensors {_names(unexpected)}" if unexpected else ""))
-    if unexpected:
-        hint = (" (an AR-approximation without treeflash_config.ar_approximation in config.json)"
-                if any(k.startswith("ar_approximation.") for k in unexpected) else "")
-        raise TreeflashError(f"drafter {p}: unexpected tensors {_names(unexpected)}{hint}")
-    for k, v in expected.items():
-        if sd[k].shape != v.shape:
-            raise TreeflashError(f"drafter {p}: tensor {k} has shape {tuple(sd[k].shape)}, "
-                                 f"config.json implies {tuple(v.shape)}")
-
-
-def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> Drafter:
-    """Load a drafter directory: config.json + model.safetensors (or shards with an index), in the
-    published DFlash or TreeFlash layout, or ours."""
-    p = Path(path)
-    if not p.is_dir():
-        raise TreeflashError(f"drafter {p}: not a directory")
-    cfg_file = p / CONFIG_NAME
-    if not cfg_file.exists():
-        raise TreeflashError(f"drafter {p}: missing {CONFIG_NAME}")
-    cfg = DrafterConfig.from_dict(_read_json(cfg_file, "drafter config"))
-    sd = _normalise_keys(read_weights(p))
-    with torch.device("meta"):  # no random init: every tensor comes from the file
-        model = Drafter(cfg)
-    _check_tensors(p, model, sd)
-    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True)
-    model.draft_vocab = read_draft_vocab(p, cfg.vocab_size)
-    return model.eval()
-
-
-def read_draft_vocab(path: Path, vocab: int) -> torch.Tensor | None:
-    """The drafter directory's draft vocabulary [Vd] (sorted unique ids), or None if it has none."""
-    f = path / DRAFT_VOCAB_NAME
-    if not f.exists():
-        return None
-    from safetensors.torch import load_file
-
-    try:
-        ids = load_file(str(f)).get("token_ids")
-    except Exception as e:  # safetensors raises several types for a damaged file
-        raise TreeflashError(f"drafter {path}: unreadable {DRAFT_VOCAB_NAME} ({str(e).splitlines()[0]})") from None
-    if ids is None or ids.dim() != 1 or not len(ids) or ids.dtype != torch.int64:
-        raise TreeflashError(f"drafter {path}: {DRAFT_VOCAB_NAME} must hold 'token_ids', a non-empty int64 vector")
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-        raise TreeflashError(f"drafter {path}: {DRAFT_VOCAB_NAME} has ids outside the vocabulary (0..{vocab - 1})")
-    return ids.unique()
-
-
-def check_fits(cfg: DrafterConfig, tcfg, vocab_rows: int) -> None:
-    """Raise a clear error when a drafter cannot serve a target (HF config `tcfg`)."""
-    tcfg = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
-    n_layers = tcfg.num_hidden_layers
-    if cfg.hidden_size != tcfg.hidden_size:
-        raise TreeflashError(f"drafter hidden size {cfg.hidden_size} does not match the target's {tcfg.hidden_size}")
-    if cfg.vocab_size != vocab_rows:
-        raise TreeflashError(f"drafter vocabulary {cfg.vocab_size} does not match the target's {vocab_rows}")
-    if cfg.num_target_layers is not None and cfg.num_target_layers != n_layers:
-        raise TreeflashError(f"drafter was built for {cfg.num_target_layers} target layers; "
-                             f"the target has {n_layers}")
-    bad = [i for i in cfg.target_layer_ids if not 0 <= i < n_layers]
-    if bad:
-        raise TreeflashError(f"drafter target_layer_ids {bad} out of range for a {n_layers}-layer target")
-    if not 0 <= cfg.mask_token_id < vocab_rows:
-        raise TreeflashError(f"drafter mask_token_id {cfg.mask_token_id} outside the target vocabulary "
-                             f"(0..{vocab_rows - 1})")
-    if cfg.block_size < 2:
-        raise TreeflashError(f"drafter block_size {cfg.block_size} must be at least 2")
+        return save_drafter(self, out_dir, dtype, fmt)

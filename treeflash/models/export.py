@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from ..errors import TreeflashError
-from .drafter import (CONFIG_NAME, FORMATS, INDEX_NAME, WEIGHTS_NAME, Drafter, check_fits, load_drafter)
+from .drafter import Drafter
+from .drafter_config import FORMATS, check_fits
+from .drafter_io import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, load_drafter, save_drafter, state_dict_for
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -53,7 +55,7 @@ def run(args) -> int:
     path = export(drafter, out, args.fmt, DTYPES[args.dtype])
     if args.copy_code:
         copy_code(Path(args.copy_code).expanduser(), out)
-    n = len(drafter.state_dict_for(args.fmt))
+    n = len(state_dict_for(drafter, args.fmt))
     print(f"wrote {path} ({args.fmt} layout, {n} tensors, {args.dtype})")
     if args.fmt == "dflash" and drafter.ar_approximation is not None:
         print("note: the TreeFlash AR-approximation is not part of the DFlash format and was left out; "
@@ -84,7 +86,7 @@ def run_gguf(args, out: Path) -> int:
 
 def export(drafter: Drafter, out: str | Path, fmt: str = "dflash", dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write `drafter` to `out` in the published layout `fmt`; returns the directory."""
-    return drafter.save(out, dtype=dtype, fmt=fmt)
+    return save_drafter(drafter, out, dtype, fmt)
 
 
 def _check_out(out: Path, force: bool) -> None:
