@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from treeflash.errors import TreeflashError
-from treeflash.models.drafter import default_target_layer_ids
+from treeflash.models.drafter_config import default_target_layer_ids
 from treeflash.models.target import Target
 from treeflash.training import features as F
 from treeflash.training.objective import (IGNORE, block_inputs, block_mask, dense_reference_mask,
@@ -170,7 +170,7 @@ def test_export_loads_in_engine(env, tmp_path):
     Trainer(cfg, env["target"]).fit()
     out = export(Path(cfg.out) / "last", tmp_path / "drafter", env["target"])
     from treeflash import api
-    from treeflash.models.drafter import load_drafter
+    from treeflash.models.drafter_io import load_drafter
 
     d = load_drafter(out)
     assert next(iter(d.state_dict().values())).dtype == torch.float32  # loaded as requested
@@ -291,7 +291,7 @@ def test_corrupt_feature_shard(env, tmp_path):
 
 
 def test_target_labels_are_target_greedy_choices(env):
-    from treeflash.models.drafter import default_target_layer_ids
+    from treeflash.models.drafter_config import default_target_layer_ids
 
     store = F.FeatureStore(env["files"], default_target_layer_ids(4, 2), 32, target_labels=True)
     raw = F.FeatureStore(env["files"], default_target_layer_ids(4, 2), 32)
@@ -324,3 +324,50 @@ def test_draft_vocab_negatives_are_outside_and_deterministic(env):
     assert not (neg[:, None, :] == vocab_rows[None, :, :]).all(-1).any()
     last = tr.fit()  # and training with a draft vocabulary runs; validation uses the full vocabulary
     assert "val_acc" in last
+
+
+def test_grown_drafter_starts_as_the_trained_one():
+    """`--grow-layers`: the new top layers are the identity at first, so the block pass (hence every
+    draft) equals the original drafter's exactly; and the new layers do train."""
+    from conftest import tiny_drafter, tiny_target
+    from treeflash.api import Engine
+    from treeflash.training.trainer import grow
+
+    target = tiny_target("llama")
+    small = tiny_drafter(target)
+    big = grow(small, 2, target, seed=0)
+    assert len(big.model.layers) == len(small.model.layers) + 2
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(10, big.model.fc.in_features, generator=g)  # [C, n_taps*H]
+    emb = torch.randn(4, big.config.hidden_size, generator=g)       # [Q, H]
+    pos, ctx = torch.arange(10, 14), torch.arange(10)
+    with torch.no_grad():
+        want = small.forward_block(emb, pos, small.context_kv(feats, ctx))
+        got = big.forward_block(emb, pos, big.context_kv(feats, ctx))
+    assert torch.equal(got, want)
+    kw = dict(method="treeflash", tree_size=6, top_m=3, top_k=3, max_new_tokens=16, ignore_eos=True)
+    prompt = list(range(3, 25))
+    a, b = Engine(target, small).generate(prompt, **kw), Engine(target, big).generate(prompt, **kw)
+    assert b.token_ids == a.token_ids and b.stats.acceptance_lengths == a.stats.acceptance_lengths
+    new = big.model.layers[-1]
+    assert new.mlp.up_proj.weight.abs().sum() > 0  # from the target's layers, not zeros
+    big.forward_block(emb, pos, big.context_kv(feats, ctx)).square().sum().backward()
+    assert new.self_attn.o_proj.weight.grad.abs().sum() > 0  # the zero projections get a gradient
+
+
+def test_tau_compares_drafters_in_one_run(tmp_path, capsys):
+    """`train tau --drafter A,B`: both drafters on one target, interleaved, one labelled row each."""
+    from treeflash.cli import main
+    from treeflash.models import registry
+
+    shipped = registry.resolve_drafter(None, "smollm2-135m")
+    out = tmp_path / "tau.json"
+    assert main(["train", "tau", "--drafter", f"{shipped},random", "--sets", "gsm8k", "-n", "1",
+                 "--max-new-tokens", "24", "--methods", "vanilla,treeflash", "--tree-size", "4",
+                 "--dtype", "float32", "--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())["gsm8k"]
+    assert set(rows) == {"vanilla", f"{Path(shipped).name}/treeflash@4", "random/treeflash@4"}
+    assert rows["vanilla"]["tau"] == 1.0
+    assert rows[f"{Path(shipped).name}/treeflash@4"]["tau"] > rows["random/treeflash@4"]["tau"]
+    assert main(["train", "tau", "--drafter", "random,random", "--sets", "gsm8k"]) == 2
+    assert "listed twice" in capsys.readouterr().err

@@ -4,7 +4,7 @@
   treeflash train fit --features /data/features/smollm2-135m --out /runs/tf1 [--resume]
   torchrun --nproc_per_node 2 -m treeflash.cli train fit ...   (DDP, gloo on CPU)
   treeflash train export /runs/tf1/best treeflash/assets/drafters/smollm2-135m-treeflash
-  treeflash train tau --drafter DIR --sets humaneval,gsm8k,mtbench -n 10
+  treeflash train tau --drafter DIR[,DIR2] --sets humaneval,gsm8k,mtbench -n 10 [--tree-size 4,8,16]
 """
 from __future__ import annotations
 
@@ -78,13 +78,18 @@ def register(sub) -> None:
     lc.add_argument("--limit", type=int, default=None, help="sequences at most (default: all)")
     lc.set_defaults(func=run_lookup_calibrate)
 
-    m = st.add_parser("tau", help="acceptance length on held-out prompts (greedy)")
+    m = st.add_parser("tau", help="acceptance length (and tokens/s) on held-out prompts (greedy); several "
+                                  "drafters compared in one interleaved run")
     m.add_argument("--target", default="smollm2-135m")
-    m.add_argument("--drafter", default=None)
+    m.add_argument("--drafter", default=None, help="drafter directory, or a comma list of them (compared prompt by "
+                                                   "prompt on one target); default: the shipped one")
     m.add_argument("--sets", default="humaneval,gsm8k,mtbench")
-    m.add_argument("--methods", default="chain,marginal,treeflash")
+    m.add_argument("--methods", default="chain,marginal,treeflash", help="comma list; vanilla runs once")
     m.add_argument("-n", type=int, default=10, help="prompts per set")
-    m.add_argument("--tree-size", type=int, default=16)
+    m.add_argument("--tree-size", type=_ints, default=[16], help="nodes per step; a comma list sweeps")
+    m.add_argument("--backend", default="auto", choices=["auto", "hf", "static", "compiled"])
+    m.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=False,
+                   help="one untimed generation per arm first (use with --backend compiled when timing)")
     m.add_argument("--max-new-tokens", type=int, default=128)
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     m.add_argument("--json-out", default=None)
@@ -108,7 +113,7 @@ def feature_files(paths: list[str]) -> list[Path]:
 
 
 def run_features(args) -> int:
-    from ..models.drafter import default_target_layer_ids
+    from ..models.drafter_config import default_target_layer_ids
     from ..models.target import Target
     from .features import build_cache, list_shards
 
@@ -258,32 +263,53 @@ def load_prompts(name: str, n: int) -> list[list[str]]:
     raise TreeflashError(f"unknown prompt set {name!r}; choose humaneval, gsm8k, mtbench")
 
 
-def measure_tau(engine, sets: list[str], methods: list[str], n: int, tree_size: int, max_new: int) -> dict:
-    """{set: {method: {tau, steps, tokens, per_position}}}; multi-turn prompts reuse the answers."""
+def measure_tau(engines: dict, sets: list[str], methods: list[str], n: int, tree_sizes: list[int],
+                max_new: int, warm: bool = False) -> dict:
+    """{set: {label: {tau, steps, tokens, tok_per_s}}}, label "DRAFTER/METHOD@B" (vanilla: "vanilla").
+
+    engines: {drafter name: Engine}, all on one target. Every arm (drafter x method x budget) runs
+    on a prompt before the next prompt (interleaved, so machine noise hits all alike); multi-turn
+    prompts reuse each arm's own answers. warm: one untimed short generation per arm first (the
+    compiled backend compiles each tree size on first use)."""
     from tqdm import tqdm
 
-    from ..decoding.generate import Stats
-
+    arms = [("vanilla", next(iter(engines.values())), "vanilla", 1)] if "vanilla" in methods else []
+    arms += [(f"{name}/{m}@{b}", e, m, b) for name, e in engines.items() for m in methods if m != "vanilla"
+             for b in tree_sizes]
+    if warm:
+        for _, e, m, b in arms:
+            e.generate("Say hello.", method=m, tree_size=b, max_new_tokens=8)
     out = {}
     for name in sets:
         prompts = load_prompts(name, n)
-        out[name] = {}
-        for method in methods:
-            acc_len, per_pos, tokens, secs = [], [], 0, 0.0
-            for turns in tqdm(prompts, desc=f"{name}/{method}", leave=False):
-                msgs = []
+        acc = {label: ([], 0, 0.0) for label, *_ in arms}
+        for turns in tqdm(prompts, desc=name, leave=False):
+            for label, e, m, b in arms:
+                msgs, (lens, tokens, secs) = [], acc[label]
                 for user in turns:
                     msgs.append({"role": "user", "content": user})
-                    r = engine.generate(list(msgs), method=method, max_new_tokens=max_new, tree_size=tree_size)
+                    r = e.generate(list(msgs), method=m, max_new_tokens=max_new, tree_size=b)
                     msgs.append({"role": "assistant", "content": r.text})
-                    acc_len += r.stats.acceptance_lengths
-                    tokens += r.stats.new_tokens
-                    secs += r.stats.total_s
-            tau = sum(acc_len) / max(1, len(acc_len))
-            out[name][method] = {"tau": round(tau, 3), "steps": len(acc_len), "tokens": tokens,
-                                 "tok_per_s": round(tokens / max(secs, 1e-9), 1)}
-            print(f"{name:10s} {method:10s} tau {tau:.3f} ({len(acc_len)} steps, "
+                    lens = lens + r.stats.acceptance_lengths
+                    tokens, secs = tokens + r.stats.new_tokens, secs + r.stats.total_s
+                acc[label] = (lens, tokens, secs)
+        out[name] = {}
+        for label, (lens, tokens, secs) in acc.items():
+            tau = sum(lens) / max(1, len(lens))
+            out[name][label] = {"tau": round(tau, 3), "steps": len(lens), "tokens": tokens,
+                                "tok_per_s": round(tokens / max(secs, 1e-9), 1)}
+            print(f"{name:10s} {label:40s} tau {tau:.3f} ({len(lens)} steps, "
                   f"{tokens / max(secs, 1e-9):.1f} tok/s)", flush=True)
+    return out
+
+
+def _ints(value: str) -> list[int]:
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {value!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"tree sizes must be >= 1, got {value!r}")
     return out
 
 
@@ -298,8 +324,15 @@ def run_tau(args) -> int:
     sets = [s for s in args.sets.split(",") if s]
     for s in sets:
         load_prompts(s, 1)
-    engine = api.load(args.target, args.drafter, dtype=args.dtype, device=args.device)
-    res = measure_tau(engine, sets, methods, args.n, args.tree_size, args.max_new_tokens)
+    drafters = [d for d in (args.drafter or "").split(",") if d] or [None]
+    if len(set(drafters)) != len(drafters):
+        raise TreeflashError("a drafter is listed twice")
+    engines = {(Path(d).name if d else "default"): api.load(args.target, d, dtype=args.dtype, device=args.device,
+                                                              backend=args.backend)
+               for d in drafters}
+    if len(engines) != len(drafters):
+        raise TreeflashError("two drafters share a directory name; give them distinct names")
+    res = measure_tau(engines, sets, methods, args.n, args.tree_size, args.max_new_tokens, warm=args.warmup)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

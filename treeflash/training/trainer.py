@@ -27,7 +27,9 @@ from tqdm import tqdm
 
 from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
-from ..models.drafter import Drafter, DrafterConfig, check_fits, load_drafter
+from ..models.drafter import Drafter
+from ..models.drafter_config import DrafterConfig, check_fits
+from ..models.drafter_io import load_drafter
 from ..models.target import Target
 from .features import FeatureStore
 from .objective import BatchObjective, DraftObjective, LossConfig, block_inputs, cosine_lr, draft_vocab_from_counts, sample_anchors
@@ -43,6 +45,9 @@ class TrainConfig:
     treeflash: bool = True
     init: str = "target"  # "target" (last target layers) | "random" | a drafter directory
     freeze_body: bool = False  # train only the AR-approximation (needs init = a drafter directory)
+    # append this many layers to an init drafter (a deeper drafter that starts exactly as the trained
+    # one: the new layers' attention and MLP outputs start at zero; the rest from the target's layers)
+    grow_layers: int = 0
     lr: float = 6e-4
     warmup: float = 0.04
     weight_decay: float = 0.0
@@ -82,6 +87,10 @@ class TrainConfig:
             bad(f"kl_weight must be in [0, 1], got {self.kl_weight}")
         if self.ar_weight < 0 or self.grad_clip < 0 or self.draft_vocab < 0 or self.val_seqs < 0:
             bad("ar_weight, grad_clip, draft_vocab and val_seqs must be >= 0")
+        if self.grow_layers < 0 or (self.grow_layers and self.init in ("target", "random")):
+            bad("grow_layers needs init = a trained drafter directory, and must be >= 0")
+        if self.grow_layers and self.freeze_body:
+            bad("grow_layers adds layers to train; it cannot be combined with freeze_body")
         if self.freeze_body and self.init in ("target", "random"):
             bad("freeze_body needs init = a trained drafter directory")
         if self.freeze_body and not self.treeflash:
@@ -119,16 +128,19 @@ def all_sum(t: torch.Tensor, world: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- drafter
-def init_from_target(drafter: Drafter, target: Target) -> None:
-    """Copy the target's last decoder layers (and final norm) into the drafter's layers."""
+def init_from_target(drafter: Drafter, target: Target, layers=None, norm: bool = True) -> None:
+    """Copy the target's last decoder layers (and final norm) into the drafter's layers: drafter
+    layer i of n gets target layer L - n + i (`layers`: only these drafter layers)."""
     t_layers = target.decoder.layers
     n = len(drafter.model.layers)
     for i, layer in enumerate(drafter.model.layers):
+        if layers is not None and i not in layers:
+            continue
         src = t_layers[len(t_layers) - n + i].state_dict()
         own = layer.state_dict()
         own.update({k: v for k, v in src.items() if k in own and own[k].shape == v.shape})
         layer.load_state_dict(own)
-    if hasattr(target.decoder, "norm"):
+    if norm and hasattr(target.decoder, "norm"):
         drafter.model.norm.load_state_dict(target.decoder.norm.state_dict())
 
 
@@ -143,12 +155,34 @@ def with_ar(drafter: Drafter, seed: int) -> Drafter:
     return new
 
 
+def grow(drafter: Drafter, extra: int, target: Target, seed: int) -> Drafter:
+    """`drafter` with `extra` more layers on top. A new layer is initialised like `--init target`
+    (from the target's last layers) but with its attention and MLP output projections at zero, so
+    each new block is the identity and the grown drafter computes exactly what `drafter` did."""
+    cfg = DrafterConfig.from_dict(drafter.config.to_dict())
+    n = cfg.num_hidden_layers
+    cfg.num_hidden_layers = n + extra
+    new = Drafter(cfg).init_weights(seed)
+    state = new.state_dict()
+    state.update(drafter.state_dict())  # every old tensor keeps its name; new layers are n .. n+extra-1
+    new.load_state_dict(state)
+    init_from_target(new, target, layers=range(n, n + extra), norm=False)
+    for layer in new.model.layers[n:]:
+        torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+        if layer.self_attn.o_proj.bias is not None:
+            torch.nn.init.zeros_(layer.self_attn.o_proj.bias)
+        torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+    return new
+
+
 def build_drafter(cfg: TrainConfig, target: Target) -> Drafter:
     if cfg.init not in ("target", "random"):
         d = load_drafter(cfg.init).float()
         check_fits(d.config, target.config, target.vocab_rows)
         if cfg.treeflash:
             d = with_ar(d, cfg.seed)
+        if cfg.grow_layers:
+            d = grow(d, cfg.grow_layers, target, cfg.seed)
         return d.train()
     dcfg = DrafterConfig.for_target(target.config, num_layers=cfg.num_layers, num_taps=cfg.num_taps,
                                     block_size=cfg.block_size, mask_token_id=target.default_mask_token(),
