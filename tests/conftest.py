@@ -96,7 +96,7 @@ def vanilla(target, prompt, n, sampling=SamplingParams(), seed=None):
 def oracle(method, target, drafter, reference, budget, top_m=4, top_k=4):
     """A drafter method biased towards `reference`; `NAME+lookup` adds (unbiased) lookup branches."""
     base, _, plus = method.partition("+")
-    p = ORACLES[base](drafter, target.embed, target.lm_head, TreeParams(budget, top_m, top_k),
+    p = ORACLES[base](drafter, target.embed, target.lm_head, TreeParams(budget, top_m, top_k, stage2_vocab=0),
                       LookupParams() if plus else None)
     p.reference = reference
     return p

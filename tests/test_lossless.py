@@ -55,7 +55,7 @@ def test_stage2_vocabulary_is_lossless_and_matches_full_when_wide(setup):
     for cols in (8, 32):
         p = make_proposer("treeflash", drafter, target.embed, target.lm_head, TreeParams(12, 3, 3, cols))
         assert run(target, p, PROMPT, N) == ref
-    full = make_proposer("treeflash", drafter, target.embed, target.lm_head, TreeParams(12, 3, 3))
+    full = make_proposer("treeflash", drafter, target.embed, target.lm_head, TreeParams(12, 3, 3, 0))
     wide = make_proposer("treeflash", drafter, target.embed, target.lm_head, TreeParams(12, 3, 3, V))
     from treeflash.models.drafter import DraftCache
     cache = DraftCache(1)

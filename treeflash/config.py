@@ -93,7 +93,7 @@ class GenerationConfig:
         from .decoding.proposers import TreeParams
 
         size = self.tree_size if budget is None else budget
-        return TreeParams(int(size), int(self.top_m), int(self.top_k), min(int(self.stage2_vocab), vocab),
+        return TreeParams(int(size), int(self.top_m), int(self.top_k), int(self.stage2_vocab),
                           bool(self.draft_vocab)).check(vocab)
 
     @classmethod

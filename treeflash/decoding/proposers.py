@@ -6,11 +6,13 @@ the output) to NAME's tree under the same budget; `lookup` alone needs no drafte
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
+from ..config import GenerationConfig
 from ..errors import TreeflashError
 from ..models.drafter import DraftCache, Drafter
 from .heads import DraftHeads
@@ -24,25 +26,28 @@ METHODS = ("vanilla", *DRAFTER_METHODS, "lookup", *(f"{m}+lookup" for m in DRAFT
 
 @dataclass(frozen=True)
 class TreeParams:
-    budget: int = 16  # nodes verified per step, root included
-    top_m: int = 8    # TreeFlash stage-1 candidates per position
-    top_k: int = 8    # TreeFlash stage-2 children per candidate
+    """The proposer's share of a `GenerationConfig` (its defaults are that config's)."""
+
+    budget: int = GenerationConfig.tree_size  # nodes verified per step, root included
+    top_m: int = GenerationConfig.top_m       # TreeFlash stage-1 candidates per position
+    top_k: int = GenerationConfig.top_k       # TreeFlash stage-2 children per candidate
     # TreeFlash stage 2 scores only the position's top-`stage2_vocab` marginal tokens (0 = the whole
     # vocabulary): the LM head over (B-1) x m rows is otherwise the dearest part of a step.
-    stage2_vocab: int = 0
+    stage2_vocab: int = GenerationConfig.stage2_vocab
     # Propose only from the drafter's draft vocabulary when it has one (its LM head then runs over
     # those rows; measured: see docs/performance.md). False: the whole vocabulary.
-    draft_vocab: bool = True
+    draft_vocab: bool = GenerationConfig.draft_vocab
 
     def check(self, vocab: int) -> "TreeParams":
+        """Raise on a bad value; a stage-2 vocabulary wider than `vocab` becomes `vocab`."""
         if self.budget < 1:
             raise TreeflashError(f"tree size must be >= 1, got {self.budget}")
         for name, v in (("top-m", self.top_m), ("top-k", self.top_k)):
             if not 1 <= v <= vocab:
                 raise TreeflashError(f"{name} must be in [1, {vocab}] (the vocabulary size), got {v}")
-        if self.stage2_vocab and not self.top_k <= self.stage2_vocab <= vocab:
+        if self.stage2_vocab and not self.top_k <= self.stage2_vocab:
             raise TreeflashError(f"stage-2 vocabulary must be 0 or in [top-k, {vocab}], got {self.stage2_vocab}")
-        return self
+        return dataclasses.replace(self, stage2_vocab=min(self.stage2_vocab, vocab))
 
 
 def root_only(root_token: int) -> Tree:

@@ -5,14 +5,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import GenerationConfig
 from ..errors import TreeflashError
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy (argmax)
-    top_p: float = 1.0
-    top_k: int = 0            # 0 = off
+    """The sampler's share of a `GenerationConfig` (its defaults are that config's)."""
+
+    temperature: float = GenerationConfig.temperature  # 0 = greedy (argmax)
+    top_p: float = GenerationConfig.top_p
+    top_k: int = GenerationConfig.sampling_top_k        # 0 = off
 
     def check(self, vocab: int) -> "SamplingParams":
         if not self.temperature >= 0:
