@@ -118,7 +118,7 @@ class Target:
         if name == "auto":
             name = "static" if supported(self.config) else "hf"
         runners = self.__dict__.setdefault("_runners", {})  # kept: engines sharing this target switch cheaply
-        if name not in runners:
+        if name not in runners or (name != "hf" and not supported(self.config)):  # (re)checked each time
             runners[name] = (HFPath(self.model, self._taps) if name == "hf"
                              else FastPath(self.model, compile=name == "compiled"))
         self.runner, self.backend = runners[name], name
