@@ -121,7 +121,7 @@ class Engine:
         its drafting cost, measured at `max_budget` and at 2. Memoised per engine and tree options."""
         from .decoding import costmodel
 
-        cfg = (config or GenerationConfig()).replace(**overrides)
+        cfg = self.config(config, **overrides)
         self._bind()
         key = (cfg.method, cfg.top_m, cfg.top_k, cfg.stage2_vocab, cfg.draft_vocab, self.target.backend,
                torch.get_num_threads())
@@ -157,10 +157,13 @@ class Engine:
         return choice
 
     def _pieces(self, prompt, cfg: GenerationConfig, chat: bool, stats: Stats | None,
-                text: TextAssembler) -> Iterator[str]:
+                text: TextAssembler, ids: list[int] | None = None) -> Iterator[str]:
+        """Text pieces of one generation; `ids` (if given) receives every token id, stop tokens too."""
         tokens = self.tokens(prompt, cfg, chat=chat, stats=stats)
         try:
             for t in tokens:
+                if ids is not None:
+                    ids.append(t)
                 piece = text.add(t)
                 if piece:
                     yield piece
@@ -172,7 +175,8 @@ class Engine:
         if tail:
             yield tail
 
-    def _assembler(self, cfg: GenerationConfig) -> TextAssembler:
+    def assembler(self, cfg: GenerationConfig) -> TextAssembler:
+        """Token ids -> text for `cfg` (its stop strings; the target's stop tokens hidden)."""
         return TextAssembler(self.target.tokenizer, self.target.stop_ids(), list(cfg.stop))
 
     def stream(self, prompt, config: GenerationConfig | None = None, *, chat: bool = True,
@@ -180,30 +184,16 @@ class Engine:
         """Yield text pieces as they are decoded (stop tokens are not shown; a stop string ends the
         answer and is not shown either)."""
         cfg = self.config(config, **overrides)
-        yield from self._pieces(prompt, cfg, chat, stats, self._assembler(cfg))
+        yield from self._pieces(prompt, cfg, chat, stats, self.assembler(cfg))
 
     def generate(self, prompt, config: GenerationConfig | None = None, *, chat: bool = True,
                  **overrides) -> Result:
         cfg = self.config(config, **overrides)
-        stats, text = Stats(), self._assembler(cfg)
+        stats, text = Stats(), self.assembler(cfg)
         ids: list[int] = []
-        for _ in self._pieces(prompt, cfg, chat, stats, _Recorder(text, ids)):
+        for _ in self._pieces(prompt, cfg, chat, stats, text, ids):
             pass
         return Result(text.final_text(), ids, stats)
-
-
-class _Recorder:
-    """A TextAssembler that also keeps every token id it is given (for `Result.token_ids`)."""
-
-    def __init__(self, text: TextAssembler, ids: list[int]):
-        self.text, self.ids = text, ids
-
-    def add(self, token: int) -> str:
-        self.ids.append(token)
-        return self.text.add(token)
-
-    def __getattr__(self, name):
-        return getattr(self.text, name)
 
 
 def default_device() -> str:

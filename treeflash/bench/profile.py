@@ -74,7 +74,6 @@ def profile(engine, prompts: list[str], methods: list[str], config) -> dict:
     A method "NAME:full" runs NAME without the drafter's draft vocabulary (whole-vocabulary head).
     config: the GenerationConfig of every run (greedy; its method and draft vocabulary are set here)."""
     from ..decoding.generate import Stats, decode
-    from ..decoding.sampling import SamplingParams
 
     out = {m: {"steps": 0, "tokens": 0, "time_s": 0.0, "parts": defaultdict(float)} for m in methods}
     for prompt in prompts:
@@ -173,7 +172,7 @@ def register(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from .. import api
+    from ..cli import load_engine
     from ..errors import TreeflashError
     from .datasets import sample_prompts
 
@@ -184,8 +183,7 @@ def run(args) -> int:
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise TreeflashError("--num-prompts and --max-new-tokens must be >= 1")
     methods = [m for m in args.methods.split(",") if m]
-    engine = api.load(args.target, args.drafter, dtype=args.dtype, backend=args.backend, quantize=args.quantize,
-                      device=args.device)
+    engine = load_engine(args)
     if args.verify_costs:
         return print_verify_costs(engine, args.verify_costs.split(","), args.json)
     from ..cli_generate import generation_config

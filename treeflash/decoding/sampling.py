@@ -9,6 +9,9 @@ from ..config import GenerationConfig
 from ..errors import TreeflashError
 
 
+GREEDY_BELOW = 1e-5  # smaller temperatures overflow logits / T: greedy (as in vLLM)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """The sampler's share of a `GenerationConfig` (its defaults are that config's)."""
@@ -28,8 +31,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperatures below 1e-5 are greedy (as in vLLM): dividing by them overflows."""
-        return self.temperature < 1e-5
+        """Temperatures below GREEDY_BELOW are greedy (as in vLLM): dividing by them overflows."""
+        return self.temperature < GREEDY_BELOW
 
 
 def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -93,8 +93,8 @@ class Target:
         self._taps: dict[int, torch.Tensor] = {}
         self._hooks = []
         self.tap_ids: list[int] = []
-        self.runner: HFPath | FastPath = HFPath(self.model, self._taps)
-        self.backend = "hf"
+        self._runners: dict[str, HFPath | FastPath] = {}  # kept: engines sharing this target switch cheaply
+        self.set_backend("hf")
 
     def quantize(self, mode: str) -> "Target":
         """Weight-only int8 / int4 for the decoder's linear layers and the verify LM head (`quant.py`).
@@ -107,7 +107,7 @@ class Target:
             quantize_linears(self.model, mode)
             self.lm_head = self.model.get_output_embeddings()
             self.quantization = mode
-            self.__dict__.pop("_runners", None)  # the static path's fused matmuls hold the unquantized weights
+            self._runners.clear()  # the static path's fused matmuls hold the unquantized weights
             self.set_backend(self.backend)
         return self
 
@@ -117,11 +117,10 @@ class Target:
             raise TreeflashError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
         if name == "auto":
             name = "static" if supported(self.config) else "hf"
-        runners = self.__dict__.setdefault("_runners", {})  # kept: engines sharing this target switch cheaply
-        if name not in runners or (name != "hf" and not supported(self.config)):  # (re)checked each time
-            runners[name] = (HFPath(self.model, self._taps) if name == "hf"
-                             else FastPath(self.model, compile=name == "compiled"))
-        self.runner, self.backend = runners[name], name
+        if name not in self._runners or (name != "hf" and not supported(self.config)):  # support rechecked
+            self._runners[name] = (HFPath(self.model, self._taps) if name == "hf"
+                                   else FastPath(self.model, compile=name == "compiled"))
+        self.runner, self.backend = self._runners[name], name
         return self
 
     # ---- loading ----

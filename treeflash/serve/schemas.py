@@ -8,12 +8,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..config import GenerationConfig
+from ..decoding.sampling import GREEDY_BELOW
 
 # OpenAI's own limits where they exist (temperature <= 2, at most 4 stop sequences)
 MAX_STOP = 4
 MAX_STOP_CHARS = 256
 MAX_SEED = 2**63 - 1
-GREEDY_BELOW = 1e-5  # smaller temperatures overflow logits / T; treat them as greedy (as vLLM does)
 
 
 class StreamOptions(BaseModel):

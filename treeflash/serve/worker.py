@@ -20,7 +20,6 @@ from jinja2 import TemplateError
 
 from ..config import GenerationConfig
 from ..decoding.generate import Stats
-from ..decoding.text import TextAssembler
 from ..errors import TreeflashError
 from .metrics import Metrics
 from .schemas import ApiError
@@ -166,8 +165,8 @@ class Worker:
 
     def _generate(self, job: Job, ids: list[int], stats: Stats) -> tuple[str, int]:
         """Stream one generation into the job; returns (finish_reason, tokens generated)."""
-        cfg, target = self.config, self.engine.target
-        text = TextAssembler(target.tokenizer, target.stop_ids(), list(job.config.stop))
+        cfg = self.config
+        text = self.engine.assembler(job.config)
         tokens = self.engine.tokens(ids, job.config, chat=False, stats=stats)
         n, finish = 0, None
         for tok in tokens:
