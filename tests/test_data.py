@@ -252,3 +252,33 @@ def test_jsonl_and_gzipped_shards_read_alike(tmp_path):
     assert gzip.decompress(packed.read_bytes()) == (src / "shard-00000.jsonl").read_bytes()
     assert data.read_jsonl(packed) == rows and data.shard_files(tmp_path / "dst") == [packed]
     assert data.scan_shards(tmp_path / "dst", stop_ids={5}).next_shard == 1
+
+
+def test_select_keeps_topic_prompts_in_order_minus_done_ids(tmp_path, capsys):
+    """`data select`: code and maths prompts (by the last user turn), in file order, without the
+    ids a regen directory already holds and without repeats across files; bad topics are one line."""
+    def row(rid, *texts):
+        roles = ["user", "assistant"]
+        return {"id": rid, "messages": [{"role": roles[i % 2], "content": t} for i, t in enumerate(texts)]}
+
+    first = [row("a", "Write a Python function that sorts a list."), row("b", "Write a haiku about rain."),
+             row("c", "How many apples are left if I eat 3 of 7?"), row("d", "```js\nlet x = 1\n```")]
+    later = [row("b#t2", "Write a haiku about rain.", "...", "Now as a bash script"),
+             row("e#t2", "What is SQL?", "A query language.", "Thanks, tell me a story."),
+             row("a", "duplicate id of a code prompt")]
+    (tmp_path / "p1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+    (tmp_path / "p2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in later))
+    done = tmp_path / "done"
+    done.mkdir()
+    data.write_jsonl(done / "shard-00000.jsonl", [{"id": "d", "input_ids": [1, 2], "prompt_len": 1}])
+    out = tmp_path / "sel.jsonl"
+    args = ["data", "select", str(tmp_path / "p1.jsonl"), str(tmp_path / "p2.jsonl"), "--out", str(out), "--exclude", str(done)]
+    assert main(args) == 0
+    assert [r["id"] for r in data.read_jsonl(out)] == ["a", "c", "b#t2"]
+    assert main(args + ["--topics", "math"]) == 0
+    assert [r["id"] for r in data.read_jsonl(out)] == ["c"]
+    capsys.readouterr()
+    assert main(args + ["--topics", "poetry"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown topic 'poetry'" in err and "Traceback" not in err
+    assert main(["data", "select", str(tmp_path / "nope.jsonl"), "--out", str(out)]) == 2

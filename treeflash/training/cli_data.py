@@ -17,6 +17,13 @@ def register(sub) -> None:
     pr.add_argument("--max-chars", type=int, default=6000, help="drop user turns longer than this")
     pr.set_defaults(func=run_prompts)
 
+    se = data_sub.add_parser("select", help="prompts on chosen topics (code, math), minus those already regenerated")
+    se.add_argument("prompts", nargs="+", help="prompt files (JSON lines with id and messages), read in order")
+    se.add_argument("--out", required=True, help="output JSON lines file")
+    se.add_argument("--topics", default="code,math", help="comma-separated: code, math")
+    se.add_argument("--exclude", nargs="*", default=[], help="regen data directories whose ids to leave out")
+    se.set_defaults(func=run_select)
+
     rg = data_sub.add_parser("regen", help="regenerate responses with the target (greedy, resumable)")
     rg.add_argument("--target", default="smollm2-135m", help="built-in name or HF model directory")
     rg.add_argument("--prompts", default="data/prompts/train.jsonl")
@@ -45,6 +52,22 @@ def run_prompts(args) -> int:
     stats = build_prompts(args.out, heldout=args.heldout, seed=args.seed, source=args.source,
                           max_chars=args.max_chars)
     print(json.dumps(stats))
+    return 0
+
+
+def run_select(args) -> int:
+    from pathlib import Path
+
+    from ..errors import TreeflashError
+    from .data import done_ids, select_prompts, write_jsonl
+
+    for path in args.prompts:
+        if not Path(path).is_file():
+            raise TreeflashError(f"prompts file not found: {path}")
+    rows = select_prompts(args.prompts, [t.strip() for t in args.topics.split(",") if t.strip()],
+                          done_ids(args.exclude))
+    n = write_jsonl(Path(args.out), rows)
+    print(json.dumps({"selected": n, "out": args.out}))
     return 0
 
 

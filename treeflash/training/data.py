@@ -227,6 +227,39 @@ def build_prompts(out_dir: Path, heldout: int = 200, seed: int = 0, source: Path
     return stats
 
 
+TOPICS = {
+    # programming: fenced code, language / library names, code words
+    "code": r"```|\bdef |\bfunction\b|\bclass\b|\bimport\b|\bpython\b|\bjava(script)?\b|c\+\+|\bsql\b"
+            r"|\bhtml\b|\bcss\b|\bcode\b|\bscript\b|\bregex\b|\breact\b|\bbash\b|\bprogram\b"
+            r"|\balgorithm\b|\btypescript\b|\bgolang\b|\brust\b|\bnode\.?js\b|\bdjango\b|\bflask\b"
+            r"|\bpandas\b|\bquery\b",
+    # arithmetic word problems and maths
+    "math": r"\bhow many\b|\bcalculate\b|\bsolve\b|\bequation\b|\bmath\b|\bprobability\b|\bpercent",
+}
+
+
+def select_prompts(paths: list[Path], topics: list[str], exclude: set[str]) -> list[dict]:
+    """Prompts from `paths` (in file order) whose last user turn matches any of `topics`
+    (case-insensitive, see TOPICS), leaving out the ids in `exclude` and repeats."""
+    unknown = [t for t in topics if t not in TOPICS]
+    if unknown:
+        raise TreeflashError(f"unknown topic {unknown[0]!r}; choose from {', '.join(TOPICS)}")
+    pattern = re.compile("|".join(f"(?:{TOPICS[t]})" for t in topics), re.IGNORECASE)
+    out, seen = [], set(exclude)
+    for path in paths:
+        for row in load_prompts(Path(path)):
+            if row["id"] in seen or not pattern.search(row["messages"][-1]["content"]):
+                continue
+            seen.add(row["id"])
+            out.append(row)
+    return out
+
+
+def done_ids(data_dirs: list[Path]) -> set[str]:
+    """Ids already regenerated in these data directories (plain or packed shards)."""
+    return {rec["id"] for d in data_dirs for shard in shard_files(Path(d)) for rec in read_jsonl(shard)}
+
+
 # ---------------------------------------------------------------- step 2: regeneration
 @dataclass
 class RegenConfig:
