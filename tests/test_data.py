@@ -282,3 +282,15 @@ def test_select_keeps_topic_prompts_in_order_minus_done_ids(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "unknown topic 'poetry'" in err and "Traceback" not in err
     assert main(["data", "select", str(tmp_path / "nope.jsonl"), "--out", str(out)]) == 2
+
+
+def test_output_dir_probe_leaves_other_writers_files(tmp_path):
+    """Two `train features` processes share one --out: the write probe of one must not delete a
+    file of the other (a shared probe name made the second process fail with 'not writable')."""
+    from treeflash.fsutil import ensure_writable_dir
+
+    other = tmp_path / "out" / ".write-test"
+    other.parent.mkdir()
+    other.write_text("")
+    assert ensure_writable_dir(tmp_path / "out") == tmp_path / "out"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".write-test"]
