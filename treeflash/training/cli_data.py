@@ -59,13 +59,13 @@ def run_select(args) -> int:
     from pathlib import Path
 
     from ..errors import TreeflashError
-    from .data import done_ids, select_prompts, write_jsonl
+    from .data import scan_shards, select_prompts, write_jsonl
 
     for path in args.prompts:
         if not Path(path).is_file():
             raise TreeflashError(f"prompts file not found: {path}")
-    rows = select_prompts(args.prompts, [t.strip() for t in args.topics.split(",") if t.strip()],
-                          done_ids(args.exclude))
+    done = set().union(*(scan_shards(Path(d), stop_ids=set()).done_ids for d in args.exclude))
+    rows = select_prompts(args.prompts, [t.strip() for t in args.topics.split(",") if t.strip()], done)
     n = write_jsonl(Path(args.out), rows)
     print(json.dumps({"selected": n, "out": args.out}))
     return 0

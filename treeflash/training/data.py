@@ -255,11 +255,6 @@ def select_prompts(paths: list[Path], topics: list[str], exclude: set[str]) -> l
     return out
 
 
-def done_ids(data_dirs: list[Path]) -> set[str]:
-    """Ids already regenerated in these data directories (plain or packed shards)."""
-    return {rec["id"] for d in data_dirs for shard in shard_files(Path(d)) for rec in read_jsonl(shard)}
-
-
 # ---------------------------------------------------------------- step 2: regeneration
 @dataclass
 class RegenConfig:
