@@ -294,3 +294,42 @@ def test_output_dir_probe_leaves_other_writers_files(tmp_path):
     other.write_text("")
     assert ensure_writable_dir(tmp_path / "out") == tmp_path / "out"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".write-test"]
+
+
+def test_drop_history_keeps_the_longest_tail_that_fits():
+    """--long-prompts drop-history: the oldest turns go first, the system message stays, the tail
+    starts at a user turn; a last turn too long on its own is still skipped, and "skip" keeps the
+    old behaviour."""
+    def msg(role, n):
+        return {"role": role, "content": " ".join(["w"] * n)}
+
+    class WordTarget:  # one token per word, plus one per message
+        @staticmethod
+        def apply_chat(messages):
+            return [0] * sum(1 + len(m["content"].split()) for m in messages)
+
+    sys_, u1, a1, u2, a2, u3 = msg("system", 2), msg("user", 5), msg("assistant", 9), msg("user", 4), msg("assistant", 3), msg("user", 6)
+    conv_ = [sys_, u1, a1, u2, a2, u3]                     # 3 + 6 + 10 + 5 + 4 + 7 = 35 tokens
+    chat = WordTarget.apply_chat
+    assert len(data.fit_history(chat, conv_, 35)) == 35    # fits: nothing dropped
+    assert len(data.fit_history(chat, conv_, 34)) == 3 + 5 + 4 + 7   # from u2 on, system kept
+    assert len(data.fit_history(chat, conv_, 10)) == 3 + 7           # only the last user turn
+    assert data.fit_history(chat, conv_, 9) is None
+    assert len(data.fit_history(chat, [u1, a1, u2], 16)) == 5       # no system message
+    rows = [{"id": "long", "messages": conv_}, {"id": "short", "messages": [u3]},
+            {"id": "hopeless", "messages": [msg("user", 40)]}, {"id": "done", "messages": [u1]}]
+    todo, too_long, shortened = data.encode_prompts(WordTarget, rows, {"done"}, 20, "drop-history")
+    assert [(i, len(p)) for i, p in todo] == [("long", 19), ("short", 7)] and (too_long, shortened) == (1, 1)
+    todo, too_long, shortened = data.encode_prompts(WordTarget, rows, {"done"}, 20, "skip")
+    assert [i for i, _ in todo] == ["short"] and (too_long, shortened) == (2, 0)
+    with pytest.raises(TreeflashError, match="--long-prompts"):
+        data.RegenConfig(long_prompts="truncate").check()
+
+
+def test_select_exclude_must_be_a_directory(tmp_path, capsys):
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "def f(): pass"}]}) + "\n")
+    rc = main(["data", "select", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "s.jsonl"),
+               "--exclude", str(tmp_path / "no-such-regen-dir")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--exclude: not a directory" in err and "Traceback" not in err
+    assert not (tmp_path / "s.jsonl").exists()

@@ -30,7 +30,9 @@ def register(sub) -> None:
     rg.add_argument("--out", required=True, help="output directory for shard-NNNNN.jsonl and meta.json")
     rg.add_argument("--batch-size", type=int, default=32)
     rg.add_argument("--max-new-tokens", type=int, default=384)
-    rg.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
+    rg.add_argument("--max-prompt-tokens", type=int, default=512, help="longest prompt (see --long-prompts)")
+    rg.add_argument("--long-prompts", default="skip", choices=["skip", "drop-history"],
+                    help="longer prompts: skip them, or drop their oldest turns until they fit")
     rg.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     rg.add_argument("--max-tokens", type=int, default=None,
                     help="stop after this many response tokens in total (counting earlier runs)")
@@ -64,6 +66,9 @@ def run_select(args) -> int:
     for path in args.prompts:
         if not Path(path).is_file():
             raise TreeflashError(f"prompts file not found: {path}")
+    for path in args.exclude:
+        if not Path(path).is_dir():
+            raise TreeflashError(f"--exclude: not a directory: {path}")
     done = set().union(*(scan_shards(Path(d), stop_ids=set()).done_ids for d in args.exclude))
     rows = select_prompts(args.prompts, [t.strip() for t in args.topics.split(",") if t.strip()], done)
     n = write_jsonl(Path(args.out), rows)
@@ -81,7 +86,7 @@ def run_regen(args) -> int:
 
     cfg = RegenConfig(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                       max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
-                      shard_size=args.shard_size).check()
+                      shard_size=args.shard_size, long_prompts=args.long_prompts).check()
     if not Path(args.prompts).is_file():
         raise TreeflashError(f"prompts file not found: {args.prompts}")
     ensure_writable_dir(Path(args.out))  # fail before the model loads

@@ -256,6 +256,9 @@ def select_prompts(paths: list[Path], topics: list[str], exclude: set[str]) -> l
 
 
 # ---------------------------------------------------------------- step 2: regeneration
+LONG_PROMPTS = ("skip", "drop-history")
+
+
 @dataclass
 class RegenConfig:
     batch_size: int = 32
@@ -264,11 +267,14 @@ class RegenConfig:
     max_tokens: int | None = None  # stop after this many response tokens in total (all runs)
     shard_size: int = 256          # records per shard
     sort_window: int = 16          # prompts are sorted by length within windows of this many batches
+    long_prompts: str = "skip"     # too-long prompts: "skip", or "drop-history" (drop the oldest turns)
 
     def check(self) -> "RegenConfig":
         for name in ("batch_size", "max_new_tokens", "max_prompt_tokens", "shard_size", "sort_window"):
             if getattr(self, name) < 1:
                 raise TreeflashError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.long_prompts not in LONG_PROMPTS:
+            raise TreeflashError(f"--long-prompts must be one of {', '.join(LONG_PROMPTS)}, got {self.long_prompts!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise TreeflashError(f"--max-tokens must be >= 1, got {self.max_tokens}")
         return self
@@ -375,25 +381,49 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int) -> lis
     return responses
 
 
-def encode_prompts(target, rows: list[dict], done: set[str], max_prompt_tokens: int):
-    """(id, prompt ids) for prompts not yet done and short enough; and the number skipped as too long."""
-    todo, too_long = [], 0
+def fit_history(apply_chat, messages: list[dict], max_tokens: int) -> list[int] | None:
+    """Chat prompt ids of the longest tail of the conversation that fits in `max_tokens`.
+
+    Whole turns go from the front, oldest first; a system message stays, and the tail starts at a
+    user turn, so the chat template sees a well-formed conversation. None when even the last user
+    turn alone (with the system message) does not fit.
+    """
+    head = messages[:1] if messages[0].get("role") == "system" else []
+    body = messages[len(head):]
+    for start, msg in enumerate(body):
+        if msg.get("role") != "user":
+            continue
+        ids = apply_chat(head + body[start:])
+        if len(ids) <= max_tokens:
+            return ids
+    return None
+
+
+def encode_prompts(target, rows: list[dict], done: set[str], max_prompt_tokens: int,
+                   long_prompts: str = "skip"):
+    """(id, prompt ids) for prompts not yet done and short enough (with "drop-history": shortened
+    to fit); the number skipped as too long; and the number shortened."""
+    todo, too_long, shortened = [], 0, 0
     for r in rows:
         if r["id"] in done:
             continue
         ids = target.apply_chat(r["messages"])
-        if len(ids) > max_prompt_tokens:
+        if len(ids) > max_prompt_tokens and long_prompts == "drop-history":
+            ids = fit_history(target.apply_chat, r["messages"], max_prompt_tokens)
+            shortened += ids is not None
+        if ids is None or len(ids) > max_prompt_tokens:
             too_long += 1
             continue
         todo.append((r["id"], ids))
-    return todo, too_long
+    return todo, too_long, shortened
 
 
 def write_meta(out_dir: Path, target_name: str, dtype: str, prompts_path: Path, cfg: RegenConfig,
-               prog: Progress, n_prompts: int, too_long: int, finished: bool) -> dict:
+               prog: Progress, n_prompts: int, too_long: int, finished: bool, shortened: int = 0) -> dict:
     meta = {
         "target": target_name, "dtype": dtype, "prompts": str(prompts_path), "config": asdict(cfg),
         "prompts_total": n_prompts, "prompts_skipped_too_long": too_long,
+        "prompts_shortened_this_run": shortened,
         "sequences": len(prog.done_ids), "shards": prog.next_shard,
         "response_tokens": prog.response_tokens, "total_tokens": prog.total_tokens,
         "eos_finished": prog.eos_finished,
@@ -416,7 +446,8 @@ def regenerate(target, prompts_path: Path, out_dir: Path, cfg: RegenConfig, dtyp
     out_dir = ensure_writable_dir(out_dir)
     stop = target.stop_ids()
     prog = scan_shards(out_dir, stop)
-    todo, too_long = encode_prompts(target, rows, prog.done_ids, cfg.max_prompt_tokens)
+    todo, too_long, shortened = encode_prompts(target, rows, prog.done_ids, cfg.max_prompt_tokens,
+                                               cfg.long_prompts)
     name = target_name or target.name
     budget_left = None if cfg.max_tokens is None else cfg.max_tokens - prog.response_tokens
 
@@ -432,7 +463,8 @@ def regenerate(target, prompts_path: Path, out_dir: Path, cfg: RegenConfig, dtyp
             prog.next_shard += 1
             del buffer[:cfg.shard_size]
         prog.run_seconds = time.perf_counter() - t0
-        write_meta(out_dir, name, dtype, prompts_path, cfg, prog, len(rows), too_long, finished=False)
+        write_meta(out_dir, name, dtype, prompts_path, cfg, prog, len(rows), too_long, finished=False,
+                   shortened=shortened)
 
     try:
         for batch in length_sorted_batches(todo, cfg.batch_size, cfg.sort_window):
@@ -461,4 +493,5 @@ def regenerate(target, prompts_path: Path, out_dir: Path, cfg: RegenConfig, dtyp
     bar.close()
     prog.run_seconds = time.perf_counter() - t0
     finished = all(pid in prog.done_ids for pid, _ in todo)
-    return write_meta(out_dir, name, dtype, prompts_path, cfg, prog, len(rows), too_long, finished=finished)
+    return write_meta(out_dir, name, dtype, prompts_path, cfg, prog, len(rows), too_long,
+                      finished=finished, shortened=shortened)
