@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import signal
 
+from .data import LONG_PROMPTS  # stdlib-only module: cheap at start-up
+
 
 def register(sub) -> None:
     p = sub.add_parser("data", help="build drafter training data (prompts, regenerated responses)")
@@ -31,7 +33,7 @@ def register(sub) -> None:
     rg.add_argument("--batch-size", type=int, default=32)
     rg.add_argument("--max-new-tokens", type=int, default=384)
     rg.add_argument("--max-prompt-tokens", type=int, default=512, help="longest prompt (see --long-prompts)")
-    rg.add_argument("--long-prompts", default="skip", choices=["skip", "drop-history"],
+    rg.add_argument("--long-prompts", default="skip", choices=LONG_PROMPTS,
                     help="longer prompts: skip them, or drop their oldest turns until they fit")
     rg.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     rg.add_argument("--max-tokens", type=int, default=None,
