@@ -316,6 +316,10 @@ def test_drop_history_keeps_the_longest_tail_that_fits():
     assert len(data.fit_history(chat, conv_, 10)) == 3 + 7           # only the last user turn
     assert data.fit_history(chat, conv_, 9) is None
     assert len(data.fit_history(chat, [u1, a1, u2], 16)) == 5       # no system message
+    calls = []                                              # 65 user turns: bisection, not a scan
+    long_conv = [sys_] + [msg("user" if i % 2 == 0 else "assistant", 3) for i in range(129)]
+    ids = data.fit_history(lambda m: calls.append(m) or chat(m), long_conv, 3 + 4 * 5)
+    assert len(ids) == 3 + 4 * 5 and len(calls) <= 7         # the last 5 messages (u, a, u, a, u)
     rows = [{"id": "long", "messages": conv_}, {"id": "short", "messages": [u3]},
             {"id": "hopeless", "messages": [msg("user", 40)]}, {"id": "done", "messages": [u1]}]
     todo, too_long, shortened = data.encode_prompts(WordTarget, rows, {"done"}, 20, "drop-history")

@@ -386,17 +386,21 @@ def fit_history(apply_chat, messages: list[dict], max_tokens: int) -> list[int] 
 
     Whole turns go from the front, oldest first; a system message stays, and the tail starts at a
     user turn, so the chat template sees a well-formed conversation. None when even the last user
-    turn alone (with the system message) does not fit.
+    turn alone (with the system message) does not fit. A later start never gives a longer prompt,
+    so the start is found by bisection: O(log turns) templatings, not one per turn.
     """
     head = messages[:1] if messages[0].get("role") == "system" else []
     body = messages[len(head):]
-    for start, msg in enumerate(body):
-        if msg.get("role") != "user":
-            continue
-        ids = apply_chat(head + body[start:])
+    starts = [i for i, m in enumerate(body) if m.get("role") == "user"]
+    lo, hi, best = 0, len(starts) - 1, None  # invariant: every start before lo is too long
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        ids = apply_chat(head + body[starts[mid]:])
         if len(ids) <= max_tokens:
-            return ids
-    return None
+            best, hi = ids, mid - 1
+        else:
+            lo = mid + 1
+    return best
 
 
 def encode_prompts(target, rows: list[dict], done: set[str], max_prompt_tokens: int,
