@@ -19,6 +19,7 @@ import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -104,11 +105,27 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------- distributed
+def dist_timeout() -> timedelta | None:
+    """Collective timeout from TREEFLASH_DIST_TIMEOUT_S (seconds; unset: torch's default, 30 min):
+    a rank stuck in a collective then fails with an error instead of hanging its peers."""
+    v = os.environ.get("TREEFLASH_DIST_TIMEOUT_S")
+    if not v:
+        return None
+    try:
+        s = float(v)
+    except ValueError:
+        s = -1.0
+    if not (s > 0 and math.isfinite(s)):
+        raise TreeflashError(f"TREEFLASH_DIST_TIMEOUT_S must be a positive number of seconds, got {v!r}")
+    return timedelta(seconds=s)
+
+
 def dist_env() -> tuple[int, int]:
     """(rank, world); initialises the process group under torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        t = dist_timeout()
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **({"timeout": t} if t else {}))
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
