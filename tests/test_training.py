@@ -146,6 +146,9 @@ def test_kill_and_resume_reproduces_next_loss(env):
     Trainer(part, env["target"]).fit()
     st = json.loads((Path(part.out) / "last" / "state.json").read_text())
     assert st["step"] == 1
+    vals = [json.loads(x) for x in (Path(part.out) / "log.jsonl").read_text().splitlines() if "val_loss" in x]
+    assert [v["step"] for v in vals] == [1]  # the stop validated, so its step can be the best
+    assert (Path(part.out) / "best" / "config.json").exists()
     Trainer(config(env, "part"), env["target"], resume=True).fit()
     got = {r["step"]: r["loss"] for r in read_log(Path(part.out))}
     assert sorted(got) == sorted(ref)

@@ -438,6 +438,15 @@ class Trainer:
             shutil.rmtree(self.out / "best", ignore_errors=True)
             os.replace(self.out / "best.tmp", self.out / "best")
 
+    def evaluate(self, last: dict) -> dict:
+        """Validate (when there is a validation set), log it and keep the best checkpoint."""
+        if not self.n_val:
+            return last
+        val = self.validate()
+        self.log(val)
+        self.maybe_best(val)
+        return {**last, **val}
+
     def _on_signal(self, *_):
         self._stop = True
 
@@ -459,14 +468,14 @@ class Trainer:
                 bar.set_postfix(loss=rec["loss"], acc1=rec["acc"][0])
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                     self.log(rec)
-                if self.n_val and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                    val = self.validate()
-                    self.log(val)
-                    self.maybe_best(val)
-                    last = {**last, **val}
+                evaluated = self.step % cfg.eval_every == 0 or self.step == cfg.steps
+                if evaluated:
+                    last = self.evaluate(last)
                 timeout = cfg.max_minutes and self.state["elapsed_s"] - base > cfg.max_minutes * 60
                 stop = torch.tensor([float(self._stop or bool(timeout))])
                 stop = all_sum(stop, self.world)
+                if stop.item() > 0 and not evaluated:  # a stop validates too: its steps may be the best
+                    last = self.evaluate(last)
                 if self.step % cfg.ckpt_every == 0 or self.step == cfg.steps or stop.item() > 0:
                     self.checkpoint()
                 if stop.item() > 0:
