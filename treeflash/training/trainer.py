@@ -124,8 +124,7 @@ def dist_env() -> tuple[int, int]:
     """(rank, world); initialises the process group under torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        t = dist_timeout()
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **({"timeout": t} if t else {}))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=dist_timeout())
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
@@ -468,17 +467,13 @@ class Trainer:
                 bar.set_postfix(loss=rec["loss"], acc1=rec["acc"][0])
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                     self.log(rec)
-                evaluated = self.step % cfg.eval_every == 0 or self.step == cfg.steps
-                if evaluated:
-                    last = self.evaluate(last)
                 timeout = cfg.max_minutes and self.state["elapsed_s"] - base > cfg.max_minutes * 60
-                stop = torch.tensor([float(self._stop or bool(timeout))])
-                stop = all_sum(stop, self.world)
-                if stop.item() > 0 and not evaluated:  # a stop validates too: its steps may be the best
+                stop = all_sum(torch.tensor([float(self._stop or bool(timeout))]), self.world).item() > 0
+                if self.step % cfg.eval_every == 0 or self.step == cfg.steps or stop:  # a stop's steps may be the best
                     last = self.evaluate(last)
-                if self.step % cfg.ckpt_every == 0 or self.step == cfg.steps or stop.item() > 0:
+                if self.step % cfg.ckpt_every == 0 or self.step == cfg.steps or stop:
                     self.checkpoint()
-                if stop.item() > 0:
+                if stop:
                     break
         finally:
             bar.close()
