@@ -79,11 +79,26 @@ def run_select(args) -> int:
     for path in args.exclude:
         if not Path(path).is_dir():
             raise TreeflashError(f"--exclude: not a directory: {path}")
+    out = check_out_file(args.out)
     done = set().union(*(scan_shards(Path(d), stop_ids=set()).done_ids for d in args.exclude))
     rows = select_prompts(args.prompts, [t.strip() for t in args.topics.split(",") if t.strip()], done)
-    n = write_jsonl(Path(args.out), rows)
+    n = write_jsonl(out, rows)
     print(json.dumps({"selected": n, "out": args.out}))
     return 0
+
+
+def check_out_file(path: str):
+    """An output file's path, once its folder is writable and the path is not a folder."""
+    from pathlib import Path
+
+    from ..errors import TreeflashError
+    from ..fsutil import ensure_writable_dir
+
+    out = Path(path)
+    if out.is_dir():
+        raise TreeflashError(f"--out {path} is a directory; give a file name")
+    ensure_writable_dir(out.parent)
+    return out
 
 
 def run_stubs(args) -> int:
@@ -93,22 +108,26 @@ def run_stubs(args) -> int:
     from .data import write_jsonl
     from .stubs import benchmark_names, olmo_stubs, source_stubs, stdlib_root, stub_prompts
 
-    pairs = []
-    for source in [s.strip() for s in args.sources.split(",") if s.strip()]:
-        if source == "olmo":
-            pairs += [("olmo", s) for s in olmo_stubs()]
-        elif source == "stdlib":
-            pairs += [("stdlib", s) for s in source_stubs(stdlib_root())]
-        elif Path(source).is_dir():
-            pairs += [(Path(source).name, s) for s in source_stubs(Path(source))]
-        else:
+    sources = [s.strip() for s in args.sources.split(",") if s.strip()]
+    if not sources:
+        raise TreeflashError("--sources is empty; give olmo, stdlib or a directory")
+    for source in sources:
+        if source not in ("olmo", "stdlib") and not Path(source).is_dir():
             raise TreeflashError(f"--sources: {source!r} is not olmo, stdlib or a directory")
     if args.limit is not None and args.limit < 1:
         raise TreeflashError(f"--limit must be >= 1, got {args.limit}")
+    out = check_out_file(args.out)
+    pairs = []
+    for source in sources:
+        if source == "olmo":
+            pairs += [("olmo", s) for s in olmo_stubs()]
+        else:
+            root = stdlib_root() if source == "stdlib" else Path(source).resolve()
+            pairs += [(source if source == "stdlib" else root.name, s) for s in source_stubs(root)]
     rows = stub_prompts(pairs, benchmark_names(), limit=args.limit, seed=args.seed)
     if not rows:
         raise TreeflashError("no documented functions found in --sources")
-    n = write_jsonl(Path(args.out), rows)
+    n = write_jsonl(out, rows)
     print(json.dumps({"prompts": n, "out": args.out}))
     return 0
 

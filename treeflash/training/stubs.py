@@ -45,14 +45,17 @@ def olmo_stubs() -> list[str]:
     return list(stubs)
 
 
+DOC_OPEN = re.compile(r"^\s*[rRuU]?(\"\"\"|\'\'\')")
+
+
 def cut_after_docstring(code: str) -> str | None:
     """`code` up to the end of its first function's docstring, or None if it has none."""
     lines = code.splitlines()
     for i, line in enumerate(lines):
-        if line.strip().startswith(('"""', "'''")):
-            quote = line.strip()[:3]
-            rest = line.strip()[3:]
-            if quote in rest:
+        m = DOC_OPEN.match(line)
+        if m:
+            quote = m.group(1)
+            if quote in line[m.end():]:
                 return "\n".join(lines[: i + 1])
             for j in range(i + 1, len(lines)):
                 if quote in lines[j]:
@@ -61,41 +64,57 @@ def cut_after_docstring(code: str) -> str | None:
     return None
 
 
-def function_stub(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
-    """`def name(args) -> ret:` and its docstring, re-indented; None if undocumented or private."""
+def signature_args(args: ast.arguments, method: bool) -> ast.arguments:
+    """A function's parameters, without a method's leading `self`/`cls`; defaults stay aligned
+    with the last positional parameters, and positional-only ones stay positional-only."""
+    posonly, plain = list(args.posonlyargs), list(args.args)
+    if method and (posonly or plain):
+        first = posonly if posonly else plain
+        if first[0].arg in ("self", "cls"):
+            first.pop(0)
+    n = len(posonly) + len(plain)
+    defaults = args.defaults[-n:] if n and args.defaults else []
+    return ast.arguments(posonlyargs=posonly, args=plain, vararg=args.vararg, kwonlyargs=args.kwonlyargs,
+                         kw_defaults=args.kw_defaults, kwarg=args.kwarg, defaults=defaults)
+
+
+def function_stub(node: ast.FunctionDef | ast.AsyncFunctionDef, method: bool = False) -> str | None:
+    """`def name(args) -> ret:` and its docstring, re-indented; None if undocumented or private.
+    `method`: the function sits directly in a class body, so a leading `self`/`cls` is dropped."""
     doc = ast.get_docstring(node, clean=True)
     if node.name.startswith("_") or not doc or not MIN_DOC <= len(doc) <= MAX_DOC:
         return None
-    if '"""' in doc or "\\" in doc:
+    if '"""' in doc or "\\" in doc or "\0" in doc:
         return None
-    args = [a for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
-    clone = copy.copy(node)  # keeps the line numbers ast.unparse reads
-    clone.args = ast.arguments(
-        posonlyargs=[], args=args, vararg=node.args.vararg, kwonlyargs=node.args.kwonlyargs,
-        kw_defaults=node.args.kw_defaults, kwarg=node.args.kwarg,
-        defaults=node.args.defaults[-len(args):] if args and node.args.defaults else [])
+    clone = copy.copy(node)
+    clone.args = signature_args(node.args, method)
     clone.body, clone.decorator_list = [ast.Pass()], []
     try:
         header = ast.unparse(clone).splitlines()[0]
     except Exception:  # noqa: BLE001 - odd defaults that unparse cannot render
         return None
-    body = "\n".join(("    " + line) if line else "" for line in doc.splitlines())
+    body = "\n".join(("    " + line) if line.strip() else "" for line in doc.splitlines())
     return f'{header}\n    """{body.lstrip()}\n    """'
 
 
+SKIP_DIRS = ("test", "tests", "idlelib", "site-packages", "lib2to3")
+
+
 def source_stubs(root: Path) -> Iterator[str]:
-    """Stubs of the public documented functions (and methods) of every .py file under `root`,
-    skipping tests and files that do not parse; in sorted path order, so the result is stable."""
+    """Stubs of the public documented functions and methods of every .py file under `root`
+    (nested ones too), skipping test folders and files that cannot be read or parsed; in sorted
+    path order, so the result is stable."""
     for path in sorted(root.rglob("*.py")):
-        if any(part in ("test", "tests", "idlelib", "site-packages", "lib2to3") for part in path.parts):
+        if any(part in SKIP_DIRS for part in path.relative_to(root).parts[:-1]):
             continue
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
+        methods = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for n in c.body}
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                stub = function_stub(node)
+                stub = function_stub(node, method=id(node) in methods)
                 if stub:
                     yield stub
 
