@@ -1,4 +1,4 @@
-"""`treeflash data prompts|select|stubs|regen|pack`: build the drafter training data."""
+"""`treeflash data prompts|select|stubs|problems|regen|pack`: build the drafter training data."""
 from __future__ import annotations
 
 import json
@@ -33,6 +33,12 @@ def register(sub) -> None:
     st.add_argument("--limit", type=int, default=None, help="at most this many prompts")
     st.add_argument("--seed", type=int, default=0, help="shuffle seed")
     st.set_defaults(func=run_stubs)
+
+    pb = data_sub.add_parser("problems", help="grade-school maths word problems in GSM8K's shape, from templates")
+    pb.add_argument("--out", required=True, help="output JSON lines file")
+    pb.add_argument("--limit", type=int, default=3000, help="number of distinct problems")
+    pb.add_argument("--seed", type=int, default=0, help="random seed")
+    pb.set_defaults(func=run_problems)
 
     rg = data_sub.add_parser("regen", help="regenerate responses with the target (greedy, resumable)")
     rg.add_argument("--target", default="smollm2-135m", help="built-in name or HF model directory")
@@ -127,6 +133,23 @@ def run_stubs(args) -> int:
     rows = stub_prompts(pairs, benchmark_names(), limit=args.limit, seed=args.seed)
     if not rows:
         raise TreeflashError("no documented functions found in --sources")
+    n = write_jsonl(out, rows)
+    print(json.dumps({"prompts": n, "out": args.out}))
+    return 0
+
+
+def run_problems(args) -> int:
+    from ..errors import TreeflashError
+    from .data import write_jsonl
+    from .problems import problem_prompts
+
+    if args.limit < 1:
+        raise TreeflashError(f"--limit must be >= 1, got {args.limit}")
+    out = check_out_file(args.out)
+    try:
+        rows = problem_prompts(args.limit, seed=args.seed)
+    except ValueError as e:
+        raise TreeflashError(str(e)) from None
     n = write_jsonl(out, rows)
     print(json.dumps({"prompts": n, "out": args.out}))
     return 0
