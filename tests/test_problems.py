@@ -20,9 +20,11 @@ def test_every_template_asks_a_question_with_a_positive_whole_answer():
             assert question.endswith("?") and "{" not in question and "}" not in question, question
             assert not re.search(r"\b1 \w+s\b", question), question  # "1 apples"
             assert re.search(r"\d", question), question
+            assert not re.search(r"\b[Aa] [aeiou]", question), question  # "a apple"
 
 
-def test_plural():
+def test_plural_and_article():
+    assert [problems.article(w) for w in ("apple", "mug")] == ["an apple", "a mug"]
     assert [problems.plural(g, n) for g, n in [("apple", 1), ("apple", 3), ("sandwich", 2), ("toy car", 2)]] == \
         ["apple", "apples", "sandwiches", "toy cars"]
 

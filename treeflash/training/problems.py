@@ -36,6 +36,11 @@ def plural(good: str, n: int = 2) -> str:
     return good if n == 1 else good + ("es" if good.endswith(("ch", "sh", "s")) else "s")
 
 
+def article(word: str) -> str:
+    """`an apple`, `a mug`."""
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
 def person(rng: random.Random, *, but: str | None = None) -> tuple[str, str, str, str]:
     """(name, he/she, his/her, him/her), different from `but`."""
     name, he = rng.choice([p for p in PEOPLE if p[0] != but])
@@ -72,7 +77,7 @@ def discount(rng):
     good, n = rng.choice(GOODS), rng.randint(2, 8)
     pct = rng.choice([10, 20, 25, 50])
     price = rng.randint(2, 12) * (100 // pct if pct in (20, 25, 50) else 10)  # whole dollars off
-    return (f"A {good} normally costs ${price}. This week the store sells it at {pct}% off. How much "
+    return (f"{article(good).capitalize()} normally costs ${price}. This week the store sells it at {pct}% off. How much "
             f"do {n} {plural(good)} cost this week?"), F(n * price * (100 - pct), 100)
 
 
