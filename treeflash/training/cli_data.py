@@ -107,6 +107,14 @@ def check_out_file(path: str):
     return out
 
 
+def check_limit(limit: int | None) -> None:
+    """`--limit`, when given, is at least 1."""
+    from ..errors import TreeflashError
+
+    if limit is not None and limit < 1:
+        raise TreeflashError(f"--limit must be >= 1, got {limit}")
+
+
 def run_stubs(args) -> int:
     from pathlib import Path
 
@@ -120,8 +128,7 @@ def run_stubs(args) -> int:
     for source in sources:
         if source not in ("olmo", "stdlib") and not Path(source).is_dir():
             raise TreeflashError(f"--sources: {source!r} is not olmo, stdlib or a directory")
-    if args.limit is not None and args.limit < 1:
-        raise TreeflashError(f"--limit must be >= 1, got {args.limit}")
+    check_limit(args.limit)
     out = check_out_file(args.out)
     pairs = []
     for source in sources:
@@ -143,8 +150,7 @@ def run_problems(args) -> int:
     from .data import write_jsonl
     from .problems import problem_prompts
 
-    if args.limit < 1:
-        raise TreeflashError(f"--limit must be >= 1, got {args.limit}")
+    check_limit(args.limit)
     out = check_out_file(args.out)
     try:
         rows = problem_prompts(args.limit, seed=args.seed)

@@ -41,14 +41,14 @@ def article(word: str) -> str:
     return ("an " if word[0] in "aeiou" else "a ") + word
 
 
-def person(rng: random.Random, *, but: str | None = None) -> tuple[str, str, str, str]:
-    """(name, he/she, his/her, him/her), different from `but`."""
+def person(rng: random.Random, *, but: str | None = None) -> tuple[str, str, str]:
+    """(name, he/she, his/her), different from `but`."""
     name, he = rng.choice([p for p in PEOPLE if p[0] != but])
-    return name, he, ("his" if he == "he" else "her"), ("him" if he == "he" else "her")
+    return name, he, ("his" if he == "he" else "her")
 
 
 def change(rng):
-    name, he, _, _ = person(rng)
+    name, he, _ = person(rng)
     n, price, good = rng.randint(2, 9), rng.randint(2, 15), rng.choice(GOODS)
     bill = next(b for b in (20, 50, 100, 200) if b > n * price)
     return (f"{name} buys {n} {plural(good)} that cost ${price} each. {he.capitalize()} pays with a ${bill} "
@@ -56,7 +56,7 @@ def change(rng):
 
 
 def wages(rng):
-    name, he, _, _ = person(rng)
+    name, he, _ = person(rng)
     rate, hours, days = rng.randint(9, 30), rng.randint(3, 9), rng.randint(3, 6)
     bonus = rng.choice([0, 25, 40, 50, 100])
     extra = f" At the end of the week {he} also gets a ${bonus} bonus." if bonus else ""
@@ -65,7 +65,7 @@ def wages(rng):
 
 
 def give_away(rng):
-    name, he, _, _ = person(rng)
+    name, he, _ = person(rng)
     friend = person(rng, but=name)[0]
     num, den, words = rng.choice(FRACTIONS)
     total, more, things = den * rng.randint(4, 30), rng.randint(3, 25), rng.choice(COLLECTIONS)
@@ -82,7 +82,7 @@ def discount(rng):
 
 
 def trip(rng):
-    name, he, _, _ = person(rng)
+    name, he, _ = person(rng)
     s1, h1, s2, h2 = rng.randint(30, 70), rng.randint(1, 4), rng.randint(20, 60), rng.randint(2, 3)
     return (f"{name} drives at {s1} miles per hour for {h1} {plural('hour', h1)}, then stops for lunch and drives "
             f"{h2} more hours at {s2} miles per hour. How many miles does {he} drive in total?"), s1 * h1 + s2 * h2
@@ -103,7 +103,7 @@ def recipe(rng):
 
 
 def garden(rng):
-    name, he, _, _ = person(rng)
+    name = person(rng)[0]
     rows, per, plant = rng.randint(3, 12), rng.randint(4, 15), rng.choice(PLANTS)
     dead = rng.randint(1, rows * per // 3)
     return (f"{name} plants {rows} rows of {plant} plants with {per} plants in each row. {dead} of the "
@@ -111,7 +111,7 @@ def garden(rng):
 
 
 def savings(rng):
-    name, he, _, _ = person(rng)
+    name, he, _ = person(rng)
     weekly, weeks, saved = rng.randint(5, 40), rng.randint(3, 20), rng.randint(10, 150)
     good = rng.choice(["bike", "guitar", "tablet", "pair of shoes", "camera", "skateboard"])
     price = saved + weekly * weeks
@@ -132,7 +132,7 @@ def classroom(rng):
 
 
 def reading(rng):
-    name, he, _, _ = person(rng)
+    name, he, _ = person(rng)
     per_day, days = rng.randint(8, 40), rng.randint(3, 10)
     pages = per_day * days + rng.randint(20, 200)
     return (f"{name}'s book has {pages} pages. {he.capitalize()} reads {per_day} pages every day for "
@@ -177,7 +177,7 @@ def twice_more(rng):
 
 
 def minutes(rng):
-    name, he, _, _ = person(rng)
+    name, he, _ = person(rng)
     tasks, each = rng.randint(2, 6), rng.choice([10, 15, 20, 30, 45])
     days = rng.choice([d for d in range(2, 15) if tasks * each * d % 60 == 0])  # whole hours; 12 always fits
     return (f"Every day {name} spends {each} minutes on each of {tasks} chores. How many hours does "
@@ -200,7 +200,7 @@ def packing(rng):
 
 
 def coffee(rng):
-    name, he, _, _ = person(rng)
+    name, he, _ = person(rng)
     cups, price, weeks = rng.randint(2, 4), rng.randint(2, 6), rng.randint(2, 8)
     drink = rng.choice(["coffee", "tea", "juice", "hot chocolate"])
     return (f"{name} buys {cups} cups of {drink} every day, and each cup costs ${price}. How much does "
@@ -208,7 +208,7 @@ def coffee(rng):
 
 
 def cookies(rng):
-    name, he, _, _ = person(rng)
+    name, he, _ = person(rng)
     friends, each, eaten = rng.randint(2, 8), rng.randint(2, 9), rng.randint(1, 6)
     total = friends * each + eaten
     q = (f"{name} bakes {total} cookies. {he.capitalize()} eats {eaten} of them and shares the rest "
@@ -217,7 +217,7 @@ def cookies(rng):
 
 
 def commission(rng):
-    name, he, his, _ = person(rng)
+    name, he, his = person(rng)
     base, pct, sales = rng.randint(10, 30) * 100, rng.choice([5, 10, 20]), rng.randint(5, 60) * 100
     return ((f"{name} earns a base salary of ${base} a month plus a {pct}% commission on {his} sales. "
             f"Last month {he} sold ${sales} worth of goods. How much did {he} earn last month?"),
@@ -225,19 +225,19 @@ def commission(rng):
 
 
 def shopping_list(rng):
-    name, he, _, _ = person(rng)
+    name, he, _ = person(rng)
     items = rng.sample(GOODS, 3)
     counts = [rng.randint(1, 6) for _ in items]
     prices = [rng.randint(1, 12) for _ in items]
     parts = ", ".join(f"{c} {plural(g, c)} at ${p} each" for c, g, p in zip(counts, items, prices))
-    budget = sum(c * p for c, p in zip(counts, prices)) + rng.randint(5, 60)
     spent = sum(c * p for c, p in zip(counts, prices))
+    budget = spent + rng.randint(5, 60)
     q = f"{name} has ${budget}. {he.capitalize()} buys {parts}. How much money does {he} have left?"
     return q, budget - spent
 
 
 def laps(rng):
-    name, he, _, _ = person(rng)
+    name, he, _ = person(rng)
     lap, laps_ = rng.choice([200, 400, 500]), rng.randint(3, 12)
     days = rng.choice([d for d in range(3, 11) if lap * laps_ * d % 1000 == 0])  # whole km; 10 always fits
     return (f"A running track is {lap} meters long. {name} runs {laps_} laps a day for {days} days. How "
@@ -265,11 +265,10 @@ TEMPLATES: dict[str, Problem] = {f.__name__: f for f in (
     shopping_list, laps, tickets, paint)}
 
 
-def problem_prompts(limit: int, seed: int = 0, suffix: str | None = None) -> list[dict]:
+def problem_prompts(limit: int, seed: int = 0) -> list[dict]:
     """`limit` distinct prompt rows (`id`, `messages`), templates taken in turn; ids are
-    `problems/<template>/<hash>`. Each question ends with `suffix` (GSM8K's instruction by default)."""
-    if suffix is None:
-        from ..bench.datasets import STEP_BY_STEP as suffix
+    `problems/<template>/<hash>`. Each question ends with GSM8K's instruction (`STEP_BY_STEP`)."""
+    from ..bench.datasets import STEP_BY_STEP
     rng, rows, seen = random.Random(seed), [], set()
     names, misses = list(TEMPLATES), 0
     while len(rows) < limit:
@@ -283,5 +282,5 @@ def problem_prompts(limit: int, seed: int = 0, suffix: str | None = None) -> lis
         seen.add(question)
         digest = hashlib.sha1(question.encode()).hexdigest()[:8]
         rows.append({"id": f"problems/{name}/{digest}",
-                     "messages": [{"role": "user", "content": question + suffix}]})
+                     "messages": [{"role": "user", "content": question + STEP_BY_STEP}]})
     return rows
