@@ -365,6 +365,26 @@ def test_draft_vocab_negatives_are_outside_and_deterministic(env):
     assert "val_acc" in last
 
 
+def test_fine_tune_keeps_the_init_drafters_draft_vocab(env):
+    """`--init DRAFTER` with a draft vocabulary of the same size keeps the drafter's own columns (a
+    recount on a narrow mix would drop tokens it already predicts); another size recounts."""
+    from safetensors.torch import save_file
+    from treeflash.models.drafter_io import DRAFT_VOCAB_NAME, save_drafter
+
+    src = Trainer(config(env, "vsrc", draft_vocab=16), env["target"])
+    init = env["root"] / "vinit"
+    save_drafter(src.drafter, init)
+    V = env["target"].vocab_rows
+    own = torch.arange(V - 16, V, dtype=torch.long)  # not the frequency-counted columns
+    assert not torch.equal(own, src.draft_vocab)
+    save_file({"token_ids": own}, str(init / DRAFT_VOCAB_NAME))
+    kept = Trainer(config(env, "vkeep", draft_vocab=16, init=str(init)), env["target"])
+    assert torch.equal(kept.draft_vocab, own) and torch.equal(kept.obj.vocab, own)
+    recount = Trainer(config(env, "vnew", draft_vocab=12, init=str(init)), env["target"])
+    fresh = Trainer(config(env, "vfresh", draft_vocab=12), env["target"])
+    assert torch.equal(recount.draft_vocab, fresh.draft_vocab)
+
+
 def test_grown_drafter_starts_as_the_trained_one():
     """`--grow-layers`: the new top layers are the identity at first, so the block pass (hence every
     draft) equals the original drafter's exactly; and the new layers do train."""

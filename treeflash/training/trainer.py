@@ -30,7 +30,7 @@ from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
 from ..models.drafter import Drafter
 from ..models.drafter_config import DrafterConfig, check_fits
-from ..models.drafter_io import load_drafter
+from ..models.drafter_io import load_drafter, read_draft_vocab
 from ..models.target import Target
 from .features import FeatureStore
 from .objective import BatchObjective, DraftObjective, LossConfig, block_inputs, cosine_lr, draft_vocab_from_counts, sample_anchors
@@ -329,7 +329,9 @@ class Trainer:
                                      "resume with the same --features and config")
             self.step, self.state = st["step"], st["state"]
         elif cfg.draft_vocab:
-            draft_vocab = self.make_draft_vocab()
+            draft_vocab = self.inherited_draft_vocab()
+            if draft_vocab is None:
+                draft_vocab = self.make_draft_vocab()
         self.draft_vocab = draft_vocab
         self.drafter.draft_vocab = draft_vocab  # saved with every drafter checkpoint (draft_vocab.safetensors)
         emb, head = target.embed.weight, target.lm_head.weight
@@ -343,6 +345,16 @@ class Trainer:
         if self.world > 1:
             self.model = torch.nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
         self._stop = False
+
+    def inherited_draft_vocab(self) -> torch.Tensor | None:
+        """The init drafter's draft vocabulary [Vd] when it has one of the requested size, else None.
+
+        A fine-tune keeps the columns its drafter was trained on: a vocabulary recounted on a narrow
+        data mix (say, word problems) would drop tokens the drafter already predicts (code)."""
+        if self.cfg.init in ("target", "random"):
+            return None
+        vocab = read_draft_vocab(Path(self.cfg.init), self.target.vocab_rows)
+        return vocab if vocab is not None and len(vocab) == self.cfg.draft_vocab else None
 
     def make_draft_vocab(self) -> torch.Tensor:
         counts = self.store.token_counts(self.target.vocab_rows)
