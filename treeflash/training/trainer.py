@@ -30,7 +30,7 @@ from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
 from ..models.drafter import Drafter
 from ..models.drafter_config import DrafterConfig, check_fits
-from ..models.drafter_io import load_drafter, read_draft_vocab
+from ..models.drafter_io import load_drafter
 from ..models.target import Target
 from .features import FeatureStore
 from .objective import BatchObjective, DraftObjective, LossConfig, block_inputs, cosine_lr, draft_vocab_from_counts, sample_anchors
@@ -195,10 +195,12 @@ def build_drafter(cfg: TrainConfig, target: Target) -> Drafter:
     if cfg.init not in ("target", "random"):
         d = load_drafter(cfg.init).float()
         check_fits(d.config, target.config, target.vocab_rows)
+        vocab = d.draft_vocab  # with_ar and grow build new modules: keep the init's columns for the Trainer
         if cfg.treeflash:
             d = with_ar(d, cfg.seed)
         if cfg.grow_layers:
             d = grow(d, cfg.grow_layers, target, cfg.seed)
+        d.draft_vocab = vocab
         return d.train()
     dcfg = DrafterConfig.for_target(target.config, num_layers=cfg.num_layers, num_taps=cfg.num_taps,
                                     block_size=cfg.block_size, mask_token_id=target.default_mask_token(),
@@ -351,9 +353,7 @@ class Trainer:
 
         A fine-tune keeps the columns its drafter was trained on: a vocabulary recounted on a narrow
         data mix (say, word problems) would drop tokens the drafter already predicts (code)."""
-        if self.cfg.init in ("target", "random"):
-            return None
-        vocab = read_draft_vocab(Path(self.cfg.init), self.target.vocab_rows)
+        vocab = self.drafter.draft_vocab  # build_drafter: the init drafter's, None from the target
         return vocab if vocab is not None and len(vocab) == self.cfg.draft_vocab else None
 
     def make_draft_vocab(self) -> torch.Tensor:
