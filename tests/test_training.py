@@ -430,3 +430,20 @@ def test_tau_compares_drafters_in_one_run(tmp_path, capsys):
     assert rows[f"{Path(shipped).name}/treeflash@4"]["tau"] > rows["random/treeflash@4"]["tau"]
     assert main(["train", "tau", "--drafter", "random,random", "--sets", "gsm8k"]) == 2
     assert "listed twice" in capsys.readouterr().err
+
+
+def test_with_ar_and_grow_keep_the_draft_vocab():
+    """The drafters that `--init` turns into (a TreeFlash head added, layers grown) propose from the
+    same columns as the one loaded, so a fine-tune can keep its draft vocabulary."""
+    from conftest import tiny_drafter, tiny_target
+    from treeflash.models.drafter import Drafter
+    from treeflash.models.drafter_config import DrafterConfig
+    from treeflash.training.trainer import grow, with_ar
+
+    target = tiny_target("llama")
+    cfg = DrafterConfig.from_dict(tiny_drafter(target).config.to_dict())
+    cfg.ar_approximation = None
+    plain = Drafter(cfg).init_weights(0)
+    plain.draft_vocab = torch.tensor([3, 5, 8, 13])
+    for new in (with_ar(plain, 0), grow(plain, 1, target, 0)):
+        assert new is not plain and torch.equal(new.draft_vocab, plain.draft_vocab)

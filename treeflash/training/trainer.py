@@ -168,6 +168,7 @@ def with_ar(drafter: Drafter, seed: int) -> Drafter:
     cfg.ar_approximation = "swiglu"
     new = Drafter(cfg).init_weights(seed)
     new.model.load_state_dict(drafter.model.state_dict())
+    new.draft_vocab = drafter.draft_vocab
     return new
 
 
@@ -188,6 +189,7 @@ def grow(drafter: Drafter, extra: int, target: Target, seed: int) -> Drafter:
         if layer.self_attn.o_proj.bias is not None:
             torch.nn.init.zeros_(layer.self_attn.o_proj.bias)
         torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+    new.draft_vocab = drafter.draft_vocab
     return new
 
 
@@ -195,12 +197,10 @@ def build_drafter(cfg: TrainConfig, target: Target) -> Drafter:
     if cfg.init not in ("target", "random"):
         d = load_drafter(cfg.init).float()
         check_fits(d.config, target.config, target.vocab_rows)
-        vocab = d.draft_vocab  # with_ar and grow build new modules: keep the init's columns for the Trainer
         if cfg.treeflash:
             d = with_ar(d, cfg.seed)
         if cfg.grow_layers:
             d = grow(d, cfg.grow_layers, target, cfg.seed)
-        d.draft_vocab = vocab
         return d.train()
     dcfg = DrafterConfig.for_target(target.config, num_layers=cfg.num_layers, num_taps=cfg.num_taps,
                                     block_size=cfg.block_size, mask_token_id=target.default_mask_token(),
