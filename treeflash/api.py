@@ -96,7 +96,7 @@ class Engine:
         proposer = make_proposer(cfg.method, self.drafter, self.target.embed, self.target.drafting_head,
                                  cfg.tree(vocab, budget))
         if self.drafter is not None:  # the compiled backend compiles the drafter's block pass too
-            self.drafter.compile_drafting(self.target.backend == "compiled")
+            self.drafter.compile_drafting(self.target.backend.startswith("compiled"))
         return self.target.encode(prompt, chat=chat), cfg.sampling(vocab), proposer
 
     def tokens(self, prompt, config: GenerationConfig | None = None, *, chat: bool = True,
@@ -226,9 +226,9 @@ def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = 
     shipped); "random" -> a random-initialised drafter; a path -> that drafter directory;
     "none" -> no drafter (vanilla decoding only). dtype "auto": bf16 where the hardware computes
     it natively, else fp32. device: "cpu", "cuda", or None / "auto": "cuda" when a GPU is present,
-    else "cpu". backend: the
-    target's forward path (`Target.set_backend`): auto | hf | static | compiled; it is the engine's
-    own (the target, cached and shared, is put in each engine's state before it runs). quantize: "none" | "int8" |
+    else "cpu". backend: the target's forward path (`Target.set_backend`): auto | hf | static | compiled |
+    compiled-cpp; it is the engine's own (the target, cached and shared, is put in each engine's state
+    before it runs). quantize: "none" | "int8" |
     "int4" (weight-only quantized target on CPU; this changes the target, see `models/quant.py`).
     """
     tgt = _load_target(target, parse_dtype(dtype), check_device(device), quantize)

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+from .config import BACKENDS
 from .errors import TreeflashError
 
 # subcommand -> the module whose `register(subparsers)` adds it. Only the module of the command
@@ -40,10 +41,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="where the models run (auto: CUDA when torch sees a GPU, else the CPU)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bf16 where the CPU/GPU computes it natively (fast), else fp32 (exact tests use fp32)")
-    p.add_argument("--backend", default="auto", choices=["auto", "hf", "static", "compiled"],
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="target forward: static = lean path over a preallocated KV cache (Llama-family; "
                         "auto picks it where supported), compiled = the same under torch.compile "
-                        "(first use compiles for ~30 s per tree size), hf = the model's own forward")
+                        "(first use compiles for ~30 s per tree size), compiled-cpp = compiled with every "
+                        "matmul in inductor's C++ GEMM template (x86 CPUs; faster verify on CPUs without "
+                        "AVX-512; first use compiles for minutes), hf = the model's own forward")
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="int8 / int4: weight-only quantized target on CPU (faster, but a different target: "
                         "its greedy output differs from the unquantized model's on some tokens)")

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 from .errors import TreeflashError
 
+# target forward paths (`models.target.Target.set_backend`)
+BACKENDS = ("auto", "hf", "static", "compiled", "compiled-cpp")
+
 
 def tree_size_arg(value: str) -> int | str:
     if value == "auto":

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..config import BACKENDS
+
 
 def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
@@ -37,7 +39,7 @@ def register(sub) -> None:
     # and ignore_eos (the peers honour neither); absent options keep the preset's value (--quick: 32)
     GenerationConfig.add_args(p, exclude=("method", "tree_size", "seed", "stop", "ignore_eos"), suppress=True)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--backend", default="auto", choices=["auto", "hf", "static", "compiled"],
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="target forward path for our methods (see treeflash generate --help)")
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
                    help="int8 / int4: weight-only quantized target for our methods (compare with a run without it)")

@@ -164,7 +164,7 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--verify-costs", metavar="BACKENDS", default=None,
                    help="instead: time N-node target forwards (N = 1..32, 300-token context) on each of these "
-                        "backends (comma list of hf,static,compiled), twice, interleaved")
+                        "backends (comma list of hf,static,compiled,compiled-cpp), twice, interleaved")
     p.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
     p.set_defaults(func=run)
 

@@ -231,7 +231,8 @@ def quantization_agreement(cfg: BenchConfig, records: list[Record]) -> str:
         return f"{cfg.quantize}: no engine method ran, so no agreement with the unquantized target was measured"
     first = ours[0].method, ours[0].tree_size
     ours = [r for r in ours if (r.method, r.tree_size) == first]
-    ref = Target.load(cfg.target, dtype=cfg.dtype).set_backend("static" if cfg.backend == "compiled" else cfg.backend)
+    ref_backend = "static" if cfg.backend.startswith("compiled") else cfg.backend
+    ref = Target.load(cfg.target, dtype=cfg.dtype).set_backend(ref_backend)
     engine = api.Engine(ref, None)
     prompts = {(s.dataset, s.id): s for d in cfg.datasets for s in sample_prompts(d, cfg.num_prompts, cfg.seed)}
     same = agree = total = 0

@@ -13,6 +13,11 @@ One decoder function (`_decode`), two modes; both return (logits, features), log
   (capacity fixed per cache, a multiple of 512) under a bool mask, so each (bucket, capacity) pair
   compiles once and is cached on disk by inductor. Prefill (and any flat sequence of more than one
   token) runs eagerly.
+- compiled with `cpp_gemm=True` (backend `compiled-cpp`): the same graph, but every matmul is
+  inductor's C++ GEMM template (max-autotune with the CPP backend as the only choice, so nothing is
+  benchmarked). Where the default kernels cost more with each row (MKL's packed fp32 and ATen's bf16
+  GEMM on AVX2 CPUs without AVX-512), its cost stays near flat from 1 to 4 rows (docs/training.md,
+  session 15). It needs an x86 CPU with AVX2 or AVX-512; compiling takes minutes per tree size.
 
 Long flat sequences (a prefill of >= `UPCAST_MIN_ROWS` tokens) of a bfloat16 model on a CPU
 without AMX compute in float32 from the bf16 weights (upcast per matmul) and store bf16 keys and
@@ -44,6 +49,14 @@ def cpu_flags() -> frozenset[str]:
             return frozenset(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
     except OSError:
         return frozenset()
+
+
+@functools.cache
+def cpp_gemm_supported() -> bool:
+    """Whether inductor's C++ GEMM template can run here (an AVX2 or AVX-512 x86 CPU)."""
+    from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512, pick_vec_isa
+
+    return isinstance(pick_vec_isa(), (VecAVX2, VecAVX512))  # AMX machines are AVX-512 ones
 
 
 def upcast_pays(dtype: torch.dtype, device: torch.device) -> bool:
@@ -134,7 +147,7 @@ class FusedLayer(nn.Module):
 class FastPath:
     """One decoder forward over the HF modules of `model` (a *ForCausalLM), writing a StaticKV."""
 
-    def __init__(self, model, compile: bool = False):
+    def __init__(self, model, compile: bool = False, cpp_gemm: bool = False):
         if not supported(model.config):
             raise TreeflashError(f"the static-cache path supports {', '.join(SUPPORTED)} (full attention); "
                                  f"got {model.config.model_type}: use --backend hf")
@@ -146,6 +159,9 @@ class FastPath:
         self.scaling = attn.scaling
         self.qk_norm = hasattr(attn, "q_norm")
         self.compile = compile
+        self.cpp_gemm = cpp_gemm
+        if cpp_gemm and (next(model.parameters()).device.type != "cpu" or not cpp_gemm_supported()):
+            raise TreeflashError("backend compiled-cpp needs an x86 CPU with AVX2 or AVX-512; use --backend compiled")
         self._compiled = {}  # tap ids -> compiled step
         self._warmed: dict[tuple, set[int]] = {}  # tap ids -> buckets compiled by `warm`
         self.fused = nn.ModuleList(FusedLayer(layer) for layer in self.decoder.layers)
@@ -212,7 +228,8 @@ class FastPath:
             import torch._inductor.config as inductor_config
 
             inductor_config.freezing = True  # weights as constants: what makes compiling pay on CPU
-            self._compiled[tap_ids] = torch.compile(self._step, dynamic=False, fullgraph=True)
+            options = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"} if self.cpp_gemm else None
+            self._compiled[tap_ids] = torch.compile(self._step, dynamic=False, fullgraph=True, options=options)
         return self._compiled[tap_ids]
 
     @torch.no_grad()

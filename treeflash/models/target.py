@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..config import BACKENDS
 from ..errors import TreeflashError
 from . import registry
 from .fastpath import FastPath, LazyLogits, cpu_flags, supported
 from .kvcache import HFCache, KVCache, attention_mask
 
-BACKENDS = ("auto", "hf", "static", "compiled")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -112,14 +112,16 @@ class Target:
         return self
 
     def set_backend(self, name: str) -> "Target":
-        """auto (static where supported, else hf) | hf | static | compiled."""
+        """auto (static where supported, else hf) | hf | static | compiled | compiled-cpp (compiled, every
+        matmul through inductor's C++ GEMM template: `fastpath.FastPath`)."""
         if name not in BACKENDS:
             raise TreeflashError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
         if name == "auto":
             name = "static" if supported(self.config) else "hf"
         if name not in self._runners or (name != "hf" and not supported(self.config)):  # support rechecked
             self._runners[name] = (HFPath(self.model, self._taps) if name == "hf"
-                                   else FastPath(self.model, compile=name == "compiled"))
+                                   else FastPath(self.model, compile=name.startswith("compiled"),
+                                                        cpp_gemm=name == "compiled-cpp"))
         self.runner, self.backend = self._runners[name], name
         return self
 

@@ -14,6 +14,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from ..config import BACKENDS
 from ..errors import TreeflashError
 
 
@@ -87,7 +88,7 @@ def register(sub) -> None:
     m.add_argument("--methods", default="chain,marginal,treeflash", help="comma list; vanilla runs once")
     m.add_argument("-n", type=int, default=10, help="prompts per set")
     m.add_argument("--tree-size", type=_ints, default=[16], help="nodes per step; a comma list sweeps")
-    m.add_argument("--backend", default="auto", choices=["auto", "hf", "static", "compiled"])
+    m.add_argument("--backend", default="auto", choices=BACKENDS)
     m.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=False,
                    help="one untimed generation per arm first (use with --backend compiled when timing)")
     m.add_argument("--max-new-tokens", type=int, default=128)
