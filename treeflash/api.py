@@ -228,8 +228,8 @@ def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = 
     it natively, else fp32. device: "cpu", "cuda", or None / "auto": "cuda" when a GPU is present,
     else "cpu". backend: the target's forward path (`Target.set_backend`): auto | hf | static | compiled |
     compiled-cpp; it is the engine's own (the target, cached and shared, is put in each engine's state
-    before it runs). quantize: "none" | "int8" |
-    "int4" (weight-only quantized target on CPU; this changes the target, see `models/quant.py`).
+    before it runs). quantize: "none" | "int8" | "int4" (weight-only quantized target on CPU; this
+    changes the target, see `models/quant.py`).
     """
     tgt = _load_target(target, parse_dtype(dtype), check_device(device), quantize)
     if isinstance(drafter, Drafter):

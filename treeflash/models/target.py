@@ -121,7 +121,7 @@ class Target:
         if name not in self._runners or (name != "hf" and not supported(self.config)):  # support rechecked
             self._runners[name] = (HFPath(self.model, self._taps) if name == "hf"
                                    else FastPath(self.model, compile=name.startswith("compiled"),
-                                                        cpp_gemm=name == "compiled-cpp"))
+                                                 cpp_gemm=name == "compiled-cpp"))
         self.runner, self.backend = self._runners[name], name
         return self
 
