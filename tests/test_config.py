@@ -173,6 +173,15 @@ def test_check_names_the_bad_value(changes, message):
     assert str(e.value).startswith(message)
 
 
+def test_prepare_compiles_every_tree_size_up_to_the_budget(engine, monkeypatch):
+    """Every caller of `_prepare` (generation, `profile`, `bench`) gets the compiled steps of trees of
+    1..budget nodes before it times anything: a tree at the end of a generation is smaller."""
+    sizes: list[list[int]] = []
+    monkeypatch.setattr(engine.target, "warm", lambda tree_sizes: sizes.append(list(tree_sizes)))
+    engine._prepare([5, 6, 7], engine.config(method="treeflash", tree_size=4))
+    assert sizes == [[1, 2, 3, 4]]
+
+
 def test_stop_string_ends_generate_and_stream(engine):
     """A stop string cuts the answer in the API as in the server (the shared TextAssembler)."""
     full = engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True)

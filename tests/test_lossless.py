@@ -161,6 +161,10 @@ def test_compiled_cpp_backend_is_lossless_and_uses_the_cpp_gemm():
     with torch._inductor.config.patch(fx_graph_cache=False):  # generate the code, not load it
         _, code = run_and_get_code(target.runner.warm, [4], drafter.config.target_layer_ids)
     assert code and all("micro_gemm" in c and "extern_kernels.mm" not in c and "mkl" not in c for c in code)
+    with torch._inductor.config.patch(fx_graph_cache=False):  # the drafter's block pass, as the engine compiles it
+        _, code = run_and_get_code(drafter.compile_drafting, True, cpp_gemm=True)
+    assert drafter._compiled_cpp and len(code) >= 2  # the block pass, and with appended context
+    assert all("micro_gemm" in c and "extern_kernels.mm" not in c and "mkl" not in c for c in code)
     for budget in (1, 3):
         stats = Stats()
         out = run(target, oracle("treeflash", target, drafter, PROMPT + ref, budget), PROMPT, N, stats=stats)

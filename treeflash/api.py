@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 
 from .decoding.generate import Stats, decode
-from .config import GenerationConfig
+from .config import GenerationConfig, is_compiled
 from .decoding.proposers import make_proposer
 from .decoding.text import TextAssembler
 from .errors import TreeflashError
@@ -96,7 +96,11 @@ class Engine:
         proposer = make_proposer(cfg.method, self.drafter, self.target.embed, self.target.drafting_head,
                                  cfg.tree(vocab, budget))
         if self.drafter is not None:  # the compiled backend compiles the drafter's block pass too
-            self.drafter.compile_drafting(self.target.backend.startswith("compiled"))
+            backend = self.target.backend
+            self.drafter.compile_drafting(is_compiled(backend), cpp_gemm=backend == "compiled-cpp")
+        # compile now what this generation will run: a tree of any size up to the budget (the root
+        # alone at the end; lookup trees are as large as the text's repeats)
+        self.target.warm(range(1, proposer.params.budget + 1))
         return self.target.encode(prompt, chat=chat), cfg.sampling(vocab), proposer
 
     def tokens(self, prompt, config: GenerationConfig | None = None, *, chat: bool = True,
@@ -106,9 +110,6 @@ class Engine:
         Stop strings are not applied here (token ids): `stream` and `generate` apply them."""
         cfg = self.config(config, **overrides)
         ids, sampling, proposer = self._prepare(prompt, cfg, chat)
-        # compile now what this generation will run: a tree of any size up to the budget (the root
-        # alone at the end; lookup trees are as large as the text's repeats)
-        self.target.warm(range(1, proposer.params.budget + 1))
         with torch.no_grad():
             yield from decode(self.target, proposer, ids, cfg.max_new_tokens, sampling, cfg.seed, stats,
                               set() if cfg.ignore_eos else None)

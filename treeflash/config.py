@@ -16,6 +16,11 @@ from .errors import TreeflashError
 BACKENDS = ("auto", "hf", "static", "compiled", "compiled-cpp")
 
 
+def is_compiled(backend: str) -> bool:
+    """Whether the backend runs the target step (and the drafter's block pass) under torch.compile."""
+    return backend in ("compiled", "compiled-cpp")
+
+
 def tree_size_arg(value: str) -> int | str:
     if value == "auto":
         return value

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, is_compiled
 from ..decoding.generate import Stats
 from ..decoding.proposers import DRAFTER_METHODS
 from ..errors import TreeflashError
@@ -231,7 +231,7 @@ def quantization_agreement(cfg: BenchConfig, records: list[Record]) -> str:
         return f"{cfg.quantize}: no engine method ran, so no agreement with the unquantized target was measured"
     first = ours[0].method, ours[0].tree_size
     ours = [r for r in ours if (r.method, r.tree_size) == first]
-    ref_backend = "static" if cfg.backend.startswith("compiled") else cfg.backend
+    ref_backend = "static" if is_compiled(cfg.backend) else cfg.backend
     ref = Target.load(cfg.target, dtype=cfg.dtype).set_backend(ref_backend)
     engine = api.Engine(ref, None)
     prompts = {(s.dataset, s.id): s for d in cfg.datasets for s in sample_prompts(d, cfg.num_prompts, cfg.seed)}

@@ -200,6 +200,7 @@ class Drafter(nn.Module):
         # runs over those rows only. None = the whole vocabulary. Verification never uses it.
         self.draft_vocab: torch.Tensor | None = None
         self._compiled_block = self._compiled_extend_block = None
+        self._compiled_cpp = False  # whether the compiled block pass uses the C++ GEMM template
 
     @property
     def block_size(self) -> int:
@@ -277,19 +278,24 @@ class Drafter(nn.Module):
         kv = [(torch.cat([k, nk], 1), torch.cat([v, nv], 1)) for (k, v), (nk, nv) in zip(kv, new)]
         return kv, self.forward_block(block_emb, positions, kv)
 
-    def compile_drafting(self, on: bool = True) -> None:
+    def compile_drafting(self, on: bool = True, cpp_gemm: bool = False) -> None:
         """torch.compile the inference block pass (`draft`), with the context length dynamic so
-        it compiles once (the compiled target backend turns this on). Weights are frozen into
-        the compiled graph: recompile (off, then on) after changing them."""
-        if not on:
+        it compiles once (the compiled target backends turn this on; `cpp_gemm`: its matmuls in
+        inductor's C++ GEMM template, as backend compiled-cpp). Weights are frozen into the
+        compiled graph: recompile (off, then on) after changing them."""
+        if not on or cpp_gemm != self._compiled_cpp:
             self._compiled_block = self._compiled_extend_block = None
-        elif self._compiled_block is None:
+        if on and self._compiled_block is None:
             import torch._inductor.config as inductor_config
 
+            from .fastpath import compile_options
+
             inductor_config.freezing = True
-            self._compiled_block = torch.compile(self.forward_block, dynamic=True)
+            options = compile_options(cpp_gemm)
+            self._compiled_block = torch.compile(self.forward_block, dynamic=True, options=options)
             # the decode loop's step: last step's accepted context + this block, one call
-            self._compiled_extend_block = torch.compile(self.extend_block, dynamic=True)
+            self._compiled_extend_block = torch.compile(self.extend_block, dynamic=True, options=options)
+            self._compiled_cpp = cpp_gemm
             self._warm_compiled()
 
     @torch.no_grad()

@@ -59,6 +59,12 @@ def cpp_gemm_supported() -> bool:
     return isinstance(pick_vec_isa(), (VecAVX2, VecAVX512))  # AMX machines are AVX-512 ones
 
 
+def compile_options(cpp_gemm: bool) -> dict | None:
+    """torch.compile options: with `cpp_gemm`, every matmul in inductor's C++ GEMM template (max-autotune
+    with the CPP backend as the only choice, so nothing is benchmarked)."""
+    return {"max_autotune": True, "max_autotune_gemm_backends": "CPP"} if cpp_gemm else None
+
+
 def upcast_pays(dtype: torch.dtype, device: torch.device) -> bool:
     """bf16 weights on a CPU without AMX: long matmuls are faster upcast to float32."""
     return dtype == torch.bfloat16 and device.type == "cpu" and bool(cpu_flags()) and "amx_bf16" not in cpu_flags()
@@ -228,8 +234,8 @@ class FastPath:
             import torch._inductor.config as inductor_config
 
             inductor_config.freezing = True  # weights as constants: what makes compiling pay on CPU
-            options = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"} if self.cpp_gemm else None
-            self._compiled[tap_ids] = torch.compile(self._step, dynamic=False, fullgraph=True, options=options)
+            self._compiled[tap_ids] = torch.compile(self._step, dynamic=False, fullgraph=True,
+                                                    options=compile_options(self.cpp_gemm))
         return self._compiled[tap_ids]
 
     @torch.no_grad()

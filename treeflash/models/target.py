@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..config import BACKENDS
+from ..config import BACKENDS, is_compiled
 from ..errors import TreeflashError
 from . import registry
 from .fastpath import FastPath, LazyLogits, cpu_flags, supported
@@ -120,7 +120,7 @@ class Target:
             name = "static" if supported(self.config) else "hf"
         if name not in self._runners or (name != "hf" and not supported(self.config)):  # support rechecked
             self._runners[name] = (HFPath(self.model, self._taps) if name == "hf"
-                                   else FastPath(self.model, compile=name.startswith("compiled"),
+                                   else FastPath(self.model, compile=is_compiled(name),
                                                  cpp_gemm=name == "compiled-cpp"))
         self.runner, self.backend = self._runners[name], name
         return self
