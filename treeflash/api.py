@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 
 from .decoding.generate import Stats, decode
-from .config import GenerationConfig, is_compiled
+from .config import GenerationConfig, is_compiled, uses_cpp_gemm
 from .decoding.proposers import make_proposer
 from .decoding.text import TextAssembler
 from .errors import TreeflashError
@@ -97,7 +97,7 @@ class Engine:
                                  cfg.tree(vocab, budget))
         if self.drafter is not None:  # the compiled backend compiles the drafter's block pass too
             backend = self.target.backend
-            self.drafter.compile_drafting(is_compiled(backend), cpp_gemm=backend == "compiled-cpp")
+            self.drafter.compile_drafting(is_compiled(backend), cpp_gemm=uses_cpp_gemm(backend))
         # compile now what this generation will run: a tree of any size up to the budget (the root
         # alone at the end; lookup trees are as large as the text's repeats)
         self.target.warm(range(1, proposer.params.budget + 1))

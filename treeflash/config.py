@@ -21,6 +21,11 @@ def is_compiled(backend: str) -> bool:
     return backend in ("compiled", "compiled-cpp")
 
 
+def uses_cpp_gemm(backend: str) -> bool:
+    """Whether the backend's compiled graphs put every matmul in inductor's C++ GEMM template."""
+    return backend == "compiled-cpp"
+
+
 def tree_size_arg(value: str) -> int | str:
     if value == "auto":
         return value

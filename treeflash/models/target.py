@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..config import BACKENDS, is_compiled
+from ..config import BACKENDS, is_compiled, uses_cpp_gemm
 from ..errors import TreeflashError
 from . import registry
 from .fastpath import FastPath, LazyLogits, cpu_flags, supported
@@ -121,7 +121,7 @@ class Target:
         if name not in self._runners or (name != "hf" and not supported(self.config)):  # support rechecked
             self._runners[name] = (HFPath(self.model, self._taps) if name == "hf"
                                    else FastPath(self.model, compile=is_compiled(name),
-                                                 cpp_gemm=name == "compiled-cpp"))
+                                                 cpp_gemm=uses_cpp_gemm(name)))
         self.runner, self.backend = self._runners[name], name
         return self
 
