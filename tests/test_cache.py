@@ -134,3 +134,50 @@ def test_long_bf16_prefill_computes_in_float32(arch, monkeypatch):
     target.forward(seq[:3], torch.arange(len(seq), len(seq) + 3), cache)
     assert calls and set(calls) == {torch.bfloat16}  # no upcast
     assert fastpath.upcast_pays(torch.float32, torch.device("cpu")) is False
+
+
+def test_bf16_attention_computes_in_float32_where_bf16_is_emulated(monkeypatch):
+    """On CPUs without AMX (`upcast_pays`) a bf16 target's attention gets float32 inputs (ATen's bf16
+    CPU attention of one query row is several times slower there); elsewhere it stays bf16. The
+    states it returns stay bf16 either way."""
+    from treeflash.models import fastpath
+
+    seen = []
+    real = fastpath.F.scaled_dot_product_attention
+    monkeypatch.setattr(fastpath.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or real(q, k, v, **kw))
+    for pays in (True, False):
+        monkeypatch.setattr(fastpath, "upcast_pays", lambda dtype, device, pays=pays: pays)
+        target = tiny_target("llama", dtype=torch.bfloat16).set_backend("static")
+        assert target.runner.attn_dtype == (torch.float32 if pays else None)
+        seen.clear()
+        cache = target.new_cache(32)
+        logits, _ = target.forward(torch.tensor([3, 4, 5]), torch.arange(3), cache)
+        logits, _ = target.forward(torch.tensor([6]), torch.tensor([3]), cache)
+        want = torch.float32 if pays else torch.bfloat16
+        assert seen and set(seen) == {(want,) * 3}
+        assert cache.k[0].dtype == torch.bfloat16 and logits[0].dtype == torch.float32
+
+
+def test_micro_gemm_table_keeps_the_4x24_block_off_multiples_of_4_rows():
+    """The compiled-cpp backend edits inductor's AVX2 bf16 micro-kernel table: the 4 x 24 register
+    block (it spills with 4 rows) stays the choice for 1-3 rows and is skipped for 4, 8, ... rows.
+    The table is the same on every CPU, so this runs everywhere."""
+    from treeflash.models import fastpath
+
+    assert fastpath.compile_options(True)["max_autotune_gemm_backends"] == "CPP"  # applies the edit
+    assert fastpath.avoid_spilling_micro_gemm()
+    from torch._inductor.codegen import cpp_micro_gemm  # after inductor's own import order (fastpath)
+    from torch._inductor.cpu_vec_isa import VecAVX2
+
+    blocks = [c for configs in cpp_micro_gemm.micro_gemm_configs.values() for c in configs
+              if c.vec_isa_cls is VecAVX2 and c.input_dtype == c.input2_dtype == torch.bfloat16
+              and tuple(c.register_blocking) == (4, 24, 1)]
+    assert blocks
+    for c in blocks:
+        assert [c.extra_check(c, m, 576, 576, 1, 2) for m in (1, 2, 3, 4, 5, 8, 64)] == \
+            [True, True, True, False, True, False, False]
+    others = [c for configs in cpp_micro_gemm.micro_gemm_configs.values() for c in configs
+              if c.vec_isa_cls is VecAVX2 and c.input_dtype == c.input2_dtype == torch.bfloat16
+              and tuple(c.register_blocking) == (4, 16, 1)]
+    assert others and all(c.extra_check is None for c in others)  # the 4 x 16 block takes over

@@ -206,3 +206,36 @@ def test_stats_are_recorded_when_the_generation_is_closed_early():
     gen.close()
     assert len(got) == stats.new_tokens == 3 and stats.steps >= 1
     assert stats.total_s > 0 and stats.draft_s > 0  # were 0: the loop's last lines never ran
+
+
+def test_compiled_treeflash_heads_build_the_eager_tables():
+    """The compiled heads (`heads.TablesGraph`, on the compiled backends) build the tables the eager
+    heads build, at the budget's depth and at the shorter depths of a generation's end (padded),
+    fall back to the eager heads for a root outside the draft vocabulary, and stay lossless."""
+    from treeflash.decoding.proposers import TreeParams, make_proposer
+    from treeflash.models.drafter import DraftCache
+
+    target = tiny_target("llama", logit_scale=3.0)
+    ref = vanilla(target, PROMPT, N)
+    drafter = tiny_drafter(target, block_size=8)
+    drafter.draft_vocab = torch.arange(1, target.vocab_rows, 2)  # odd ids: PROMPT[-1] is one
+    p = make_proposer("treeflash", drafter, target.embed, target.lm_head, TreeParams(4, 3, 3, 16))
+    p.compile_heads(True)
+    assert p.compiled == (3, False)
+    cache = DraftCache(len(drafter.model.layers))
+    drafter.extend(cache, torch.randn(len(PROMPT), drafter.model.fc.in_features), torch.arange(len(PROMPT)))
+    h = p.draft_states(cache, PROMPT[-1], len(PROMPT), 7)  # [8, H]
+    assert PROMPT[-1] % 2 == 1
+    for depth in (3, 2, 1):
+        got = p.heads(h[:depth + 1], PROMPT[-1])
+        p.compiled = None
+        want = p.heads(h[:depth + 1], PROMPT[-1])
+        p.compiled = (3, False)
+        for name in ("candidates", "first_tok", "next_tok"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (depth, name)
+        torch.testing.assert_close(got.next_logp, want.next_logp)
+        torch.testing.assert_close(got.first_logp, want.first_logp)
+    assert p.draft_heads.compiled_tables(h[:4], PROMPT[-1], 3, 3, 16, 3, False) is not None  # the graph ran
+    assert p.draft_heads.compiled_tables(h[:4], 2, 3, 3, 16, 3, False) is None  # even root: eager heads
+    assert p.heads(h[:4], 2).candidates.shape == (3, 3)
+    assert run(target, p, PROMPT, N) == ref

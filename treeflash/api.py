@@ -98,6 +98,7 @@ class Engine:
         if self.drafter is not None:  # the compiled backend compiles the drafter's block pass too
             backend = self.target.backend
             self.drafter.compile_drafting(is_compiled(backend), cpp_gemm=uses_cpp_gemm(backend))
+            proposer.compile_heads(is_compiled(backend), cpp_gemm=uses_cpp_gemm(backend))
         # compile now what this generation will run: a tree of any size up to the budget (the root
         # alone at the end; lookup trees are as large as the text's repeats)
         self.target.warm(range(1, proposer.params.budget + 1))

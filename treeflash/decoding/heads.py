@@ -16,6 +16,7 @@ import weakref
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..models.drafter import Drafter
 
@@ -141,8 +142,88 @@ class DraftHeads:
         rest = torch.bmm(x[1:].view(D - 1, m, x.shape[-1]), w[1:].transpose(1, 2)).view((D - 1) * m, C)
         return torch.cat([first, rest])
 
+    # ---- TreeFlash stages 1 and 2 as one compiled graph ----
+    def compiled_tables(self, h: torch.Tensor, root_token: int, m: int, k: int, n_cols: int, depth: int,
+                        cpp_gemm: bool):
+        """TreeFlash stage 1 + 2 over the draft vocabulary, compiled (`TablesGraph`), for h [D+1, H] of
+        at most `depth` positions (shorter blocks, at the end of a generation, are padded to it: one
+        graph per depth). Returns (candidate columns [D, m], stage-2 columns [1 + (D-1)*m, k], their
+        log-probs), or None where the graph does not apply (no draft vocabulary or previous-token
+        table, or the root outside the draft vocabulary)."""
+        table, D = self.prev_table(), h.shape[0] - 1
+        root_col = self.column(root_token) if table is not None and self.vocab is not None else None
+        if root_col is None or not 1 <= D <= depth:
+            return None
+        graph = self.tables_graph(m, k, n_cols, depth, cpp_gemm)
+        if D < depth:  # padded positions: their rows come after every row of the first D positions
+            h = torch.cat([h, h[-1:].expand(depth - D, -1)])
+        with torch.no_grad():
+            cand, idx, vals = graph.run(h, table[root_col][None])
+        return cand[:D], idx[:1 + (D - 1) * m], vals[:1 + (D - 1) * m]
+
+    def tables_graph(self, m: int, k: int, n_cols: int, depth: int, cpp_gemm: bool) -> "TablesGraph":
+        """The compiled `TablesGraph` for these options (built once per drafter and weights)."""
+        w = self.drafter.ar_approximation.ug.weight
+        key = (m, k, n_cols, depth, cpp_gemm, w.data_ptr(), w._version, self.lm_head.weight.data_ptr(),
+               self.vocab.data_ptr())
+        graphs = self._cached("tables_graphs", key[4:], dict)
+        if key[:4] not in graphs:
+            graphs[key[:4]] = TablesGraph(self, m, k, n_cols, depth, cpp_gemm)
+        return graphs[key[:4]]
+
     def _cached(self, name: str, key, build):
         hit = self._derived.get(name)
         if hit is None or hit[0] != key:
             hit = self._derived[name] = (key, build())
         return hit[1]
+
+
+class TablesGraph(nn.Module):
+    """TreeFlash stages 1 and 2 (`TreeFlash.heads` up to the host copies) as one compiled graph of
+    fixed shape: D positions, top-m candidates, stage 2 over each position's top `n_cols` columns,
+    top-k children. The weights it reads (the draft vocabulary's LM-head rows, the previous-token
+    table, the AR correction) are module constants, so inductor's freezing prepacks them and, on
+    backend compiled-cpp, runs their matmuls in its C++ GEMM template: eagerly, ATen's bf16 GEMM of
+    3 rows over the 8k draft-vocabulary rows alone cost 1.6 ms on an AVX2 CPU (docs/performance.md,
+    "Compiled TreeFlash heads"). Stage 2's column logits are a gathered dot product (no GEMM)."""
+
+    def __init__(self, heads: DraftHeads, m: int, k: int, n_cols: int, depth: int, cpp_gemm: bool):
+        super().__init__()
+        from ..models.fastpath import compile_options
+
+        ar, drafter = heads.drafter.ar_approximation, heads.drafter
+        self.m, self.k, self.n_cols, self.depth = m, k, n_cols, depth
+        self.norm, self.d = drafter.model.norm, ar.d
+        frozen = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
+        self.rows = frozen(heads.vocab_rows())         # [Vd, H]
+        self.table = frozen(heads.prev_table())        # [Vd, 2A]
+        self.w_state = frozen(ar._halves()[1])         # [2A, H]
+        zero = torch.zeros(1, dtype=torch.long)
+        self.register_buffer("row_pos", torch.cat([zero, torch.arange(1, depth).repeat_interleave(m)]),
+                             persistent=False)         # [R] the position each stage-2 row reads
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True
+        self.run = torch.compile(self.forward, dynamic=False, fullgraph=True, options=compile_options(cpp_gemm))
+
+    def forward(self, h: torch.Tensor, root_part: torch.Tensor):
+        """h [D+1, H] pre-norm states, root_part [1, 2A] the root's previous-token half ->
+        (candidate columns [D, m], stage-2 columns [R, k], log-probs [R, k]), R = 1 + (D-1)*m."""
+        m, pos = self.m, self.row_pos
+        x = self.norm(h[1:])                                                   # [D, H]
+        marginal = (x @ self.rows.T).float().log_softmax(-1)                   # [D, Vd]
+        top = marginal.topk(max(m, self.n_cols), -1).indices                   # [D, max(m, C)]
+        cols = top[:, :self.n_cols]                                            # [D, C]
+        prev_part = torch.cat([root_part, self.table[top[:-1, :m].reshape(-1)]])  # [R, 2A]
+        u, g = ((x @ self.w_state.T)[pos] + prev_part).chunk(2, -1)           # [R, A] each
+        y = self.norm(h[1:][pos] + self.d(F.silu(g) * u))                      # [R, H]
+        w = self.rows[cols[pos]]                                               # [R, C, H]
+        logits = (y[:, None, :].float() * w.float()).sum(-1)                  # [R, C]
+        vals, idx = logits.log_softmax(-1).topk(self.k, -1)                    # [R, k]
+        return top[:, :m], cols[pos].gather(1, idx), vals
+
+    @torch.no_grad()
+    def warm(self) -> None:
+        """Compile now (or load from inductor's disk cache), not inside a timed generation."""
+        p = self.rows
+        self.run(torch.zeros(self.depth + 1, p.shape[1], dtype=p.dtype, device=p.device), self.table[:1])

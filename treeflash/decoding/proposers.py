@@ -92,6 +92,9 @@ class Proposer:
         self.timings["tree"] += time.perf_counter() - t1
         return tree
 
+    def compile_heads(self, on: bool, cpp_gemm: bool = False) -> None:
+        """Run the heads as a compiled graph where the method has one (the compiled backends)."""
+
     def lookup_branches(self, history: list[int], max_depth: int) -> Branches:
         self.index.sync(history)
         return self.index.branches(max_depth)
@@ -152,15 +155,40 @@ class Marginal(Proposer):
 
 class TreeFlash(Proposer):
     name = "treeflash"
+    compiled: tuple[int, bool] | None = None  # (depth, cpp_gemm) of the compiled heads; None: eager
+
+    def compile_heads(self, on: bool, cpp_gemm: bool = False) -> None:
+        """On: stages 1 and 2 as one compiled graph (`heads.TablesGraph`) as deep as this budget's
+        trees reach, compiled now; where it does not apply (no draft vocabulary, stage 2 over the
+        whole vocabulary, a root outside the draft vocabulary) the eager heads run."""
+        self.compiled = None
+        depth = min(self.params.budget, self.drafter.block_size) - 1 if self.drafter is not None else 0
+        n_cols = self._n_cols()
+        if on and depth >= 1 and n_cols and self.draft_heads.prev_table() is not None:
+            p = self.params
+            self.draft_heads.tables_graph(p.top_m, p.top_k, n_cols, depth, cpp_gemm).warm()
+            self.compiled = (depth, cpp_gemm)
+
+    def _n_cols(self) -> int:
+        """Stage 2's columns per position (0: every token id); raises where top-m exceeds them."""
+        vocab, m = self.draft_heads.vocab, self.params.top_m
+        width = len(vocab) if vocab is not None else self.lm_head.weight.shape[0]
+        if width < m:
+            raise TreeflashError(f"top-m {m} exceeds the drafter's draft vocabulary ({width} tokens)")
+        return min(max(self.params.stage2_vocab, m), width) if self.params.stage2_vocab else 0
 
     def heads(self, h: torch.Tensor, root_token: int) -> TransitionTables:
         """Stage 1: top-m marginal candidates; stage 2: corrected top-k per candidate previous token."""
         D = h.shape[0] - 1
         m, k = self.params.top_m, self.params.top_k
+        n_cols = self._n_cols()
+        if self.compiled is not None:
+            out = self.draft_heads.compiled_tables(h, root_token, m, k, n_cols, *self.compiled)
+            if out is not None:
+                cand, idx, vals = (t.cpu() for t in (self.draft_heads.tokens(out[0]),
+                                                     self.draft_heads.tokens(out[1]), out[2]))
+                return TransitionTables(cand, idx[0], vals[0], idx[1:].view(D - 1, m, k), vals[1:].view(D - 1, m, k))
         marginal = self.draft_heads.marginal(h)  # [D, Vd] over the draft-vocabulary columns
-        if marginal.shape[1] < m:
-            raise TreeflashError(f"top-m {m} exceeds the drafter's draft vocabulary ({marginal.shape[1]} tokens)")
-        n_cols = min(max(self.params.stage2_vocab, m), marginal.shape[1]) if self.params.stage2_vocab else 0
         top = marginal.topk(max(m, n_cols), -1).indices  # [D, max(m, C)] columns, best first
         cols = top[:, :n_cols] if n_cols else None  # [D, C]
         logp = self.corrected_logp(h, root_token, top[:-1, :m], cols)  # [1 + (D-1)*m, C]

@@ -26,6 +26,7 @@ docs/performance.md). Every method shares this prefill, so their outputs stay co
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -36,7 +37,7 @@ from ..errors import TreeflashError
 from .kvcache import StaticKV, attention_mask
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-BUCKETS = (1, 4, 8, 16, 32, 64)  # compiled tree sizes; a tree is padded to the next one
+BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)  # compiled tree sizes; a tree is padded to the next one
 CAPACITY_STEP = 512
 UPCAST_MIN_ROWS = 64  # flat sequences at least this long compute in float32 (see above)
 
@@ -62,7 +63,37 @@ def cpp_gemm_supported() -> bool:
 def compile_options(cpp_gemm: bool) -> dict | None:
     """torch.compile options: with `cpp_gemm`, every matmul in inductor's C++ GEMM template (max-autotune
     with the CPP backend as the only choice, so nothing is benchmarked)."""
-    return {"max_autotune": True, "max_autotune_gemm_backends": "CPP"} if cpp_gemm else None
+    if not cpp_gemm:
+        return None
+    avoid_spilling_micro_gemm()
+    return {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+
+
+def _rows_not_multiple_of_4(config, m, n, k, *args, **kwargs) -> bool:
+    return m % 4 != 0
+
+
+@functools.cache
+def avoid_spilling_micro_gemm() -> bool:
+    """Inductor's AVX2 micro-GEMM for bf16 inputs blocks 4 rows x 24 columns wherever it can: 12
+    accumulators, 3 converted weight vectors and the broadcast row fill all 16 registers, so with 4
+    (or 8, ...) rows it spills and runs at half the speed of 3 rows (docs/performance.md, "The
+    micro-GEMM's register block"). Keep that block where the rows are not a multiple of 4 (1-3: it
+    is the fastest there); elsewhere the next choice, 4 x 16, wins. Changes inductor's (private)
+    table of micro-kernel configurations, once per process; False where it has another shape."""
+    try:
+        import torch._inductor.compile_fx  # noqa: F401  (imported first: the codegen modules import it)
+        from torch._inductor.codegen import cpp_micro_gemm
+        from torch._inductor.cpu_vec_isa import VecAVX2
+    except ImportError:
+        return False
+    done = False
+    for configs in getattr(cpp_micro_gemm, "micro_gemm_configs", {}).values():
+        for i, c in enumerate(configs):
+            if (getattr(c, "vec_isa_cls", None) is VecAVX2 and c.input_dtype == c.input2_dtype == torch.bfloat16
+                    and tuple(c.register_blocking) == (4, 24, 1) and c.extra_check is None):
+                configs[i], done = dataclasses.replace(c, extra_check=_rows_not_multiple_of_4), True
+    return done
 
 
 def upcast_pays(dtype: torch.dtype, device: torch.device) -> bool:
@@ -175,6 +206,9 @@ class FastPath:
         # upcast long prefills (not with quantized or unfused layers: those keep their own kernels)
         self.upcast = upcast_pays(p.dtype, p.device) and all(f.qkv is not None and f.gate_up is not None
                                                              for f in self.fused)
+        # attention in float32 there too: ATen's bf16 CPU attention for a 1-token query costs ~6x
+        # its float32 (docs/performance.md, "Attention in float32")
+        self.attn_dtype = torch.float32 if upcast_pays(p.dtype, p.device) else None
 
     # ---- cache ----
     def new_cache(self, need: int, max_length: int) -> StaticKV:
@@ -209,9 +243,10 @@ class FastPath:
                 q, k = a.q_norm(q), a.k_norm(k)
             q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
             keys, values = cache.update(k, v, i, slots)  # [1, Hkv, S', D], S' >= S
-            keys, values = keys[:, :, :width].to(q.dtype), values[:, :, :width].to(q.dtype)
+            dt = self.attn_dtype or q.dtype
+            q, keys, values = q.to(dt), keys[:, :, :width].to(dt), values[:, :, :width].to(dt)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scaling,
-                                               enable_gqa=True)  # [1, Hq, N, D]
+                                               enable_gqa=True).to(x.dtype)  # [1, Hq, N, D]
             x = x + linear(a.o_proj, o.transpose(1, 2).reshape(1, o.shape[2], -1))
             h = layer.post_attention_layernorm(x)
             if fl.gate_up is not None:
