@@ -205,6 +205,7 @@ class TablesGraph(nn.Module):
 
         inductor_config.freezing = True
         self.run = torch.compile(self.forward, dynamic=False, fullgraph=True, options=compile_options(cpp_gemm))
+        self.warmed = False
 
     def forward(self, h: torch.Tensor, root_part: torch.Tensor):
         """h [D+1, H] pre-norm states, root_part [1, 2A] the root's previous-token half ->
@@ -224,6 +225,8 @@ class TablesGraph(nn.Module):
 
     @torch.no_grad()
     def warm(self) -> None:
-        """Compile now (or load from inductor's disk cache), not inside a timed generation."""
-        p = self.rows
-        self.run(torch.zeros(self.depth + 1, p.shape[1], dtype=p.dtype, device=p.device), self.table[:1])
+        """Compile now (or load from inductor's disk cache), not inside a timed generation; once."""
+        if not self.warmed:
+            p = self.rows
+            self.run(torch.zeros(self.depth + 1, p.shape[1], dtype=p.dtype, device=p.device), self.table[:1])
+            self.warmed = True
