@@ -162,17 +162,20 @@ class TreeFlash(Proposer):
         trees reach, compiled now; where it does not apply (no draft vocabulary, stage 2 over the
         whole vocabulary, a root outside the draft vocabulary) the eager heads run."""
         self.compiled = None
-        depth = min(self.params.budget, self.drafter.block_size) - 1 if self.drafter is not None else 0
-        n_cols = self._n_cols()
-        if on and depth >= 1 and n_cols and self.draft_heads.prev_table() is not None:
+        vocab = self.draft_heads.vocab if self.drafter is not None else None
+        if not on or vocab is None:
+            return
+        depth = min(self.params.budget, self.drafter.block_size) - 1
+        n_cols = self._n_cols(len(vocab))
+        if depth >= 1 and n_cols and self.draft_heads.prev_table() is not None:
             p = self.params
             self.draft_heads.tables_graph(p.top_m, p.top_k, n_cols, depth, cpp_gemm).warm()
             self.compiled = (depth, cpp_gemm)
 
-    def _n_cols(self) -> int:
-        """Stage 2's columns per position (0: every token id); raises where top-m exceeds them."""
-        vocab, m = self.draft_heads.vocab, self.params.top_m
-        width = len(vocab) if vocab is not None else self.lm_head.weight.shape[0]
+    def _n_cols(self, width: int) -> int:
+        """Stage 2's columns per position (0: every token id) out of `width` (the marginal's);
+        raises where top-m exceeds them."""
+        m = self.params.top_m
         if width < m:
             raise TreeflashError(f"top-m {m} exceeds the drafter's draft vocabulary ({width} tokens)")
         return min(max(self.params.stage2_vocab, m), width) if self.params.stage2_vocab else 0
@@ -181,14 +184,15 @@ class TreeFlash(Proposer):
         """Stage 1: top-m marginal candidates; stage 2: corrected top-k per candidate previous token."""
         D = h.shape[0] - 1
         m, k = self.params.top_m, self.params.top_k
-        n_cols = self._n_cols()
-        if self.compiled is not None:
+        if self.compiled is not None:  # set only with a draft vocabulary
+            n_cols = self._n_cols(len(self.draft_heads.vocab))
             out = self.draft_heads.compiled_tables(h, root_token, m, k, n_cols, *self.compiled)
             if out is not None:
                 cand, idx, vals = (t.cpu() for t in (self.draft_heads.tokens(out[0]),
                                                      self.draft_heads.tokens(out[1]), out[2]))
                 return TransitionTables(cand, idx[0], vals[0], idx[1:].view(D - 1, m, k), vals[1:].view(D - 1, m, k))
         marginal = self.draft_heads.marginal(h)  # [D, Vd] over the draft-vocabulary columns
+        n_cols = self._n_cols(marginal.shape[1])
         top = marginal.topk(max(m, n_cols), -1).indices  # [D, max(m, C)] columns, best first
         cols = top[:, :n_cols] if n_cols else None  # [D, C]
         logp = self.corrected_logp(h, root_token, top[:-1, :m], cols)  # [1 + (D-1)*m, C]
