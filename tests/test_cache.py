@@ -7,7 +7,7 @@ import torch
 from treeflash.decoding.trees import marginal_tree
 from treeflash.models.fastpath import LazyLogits
 
-from conftest import tiny_target
+from conftest import tiny_drafter, tiny_target
 
 def kv(cache):
     """[layers] of (keys, values) [1, Hkv, length, D]: the live part of any cache."""
@@ -181,3 +181,61 @@ def test_micro_gemm_table_keeps_the_4x24_block_off_multiples_of_4_rows():
               if c.vec_isa_cls is VecAVX2 and c.input_dtype == c.input2_dtype == torch.bfloat16
               and tuple(c.register_blocking) == (4, 16, 1)]
     assert others and all(c.extra_check is None for c in others)  # the 4 x 16 block takes over
+
+
+def test_small_tree_attention_stacks_the_query_heads_of_each_kv_head(monkeypatch):
+    """Trees of 2-4 rows attend as Hkv heads of g*N rows (`FastPath._attend`); the result is each
+    query head's own softmax attention over its KV head under the tree mask, computed here by hand in
+    float64. The calls are recorded: 2-4 rows take the stacked form, 1 and 5+ rows the broadcast one."""
+    from treeflash.models import fastpath
+
+    runner = tiny_target("llama").set_backend("static").runner
+    hq, hkv, d, width = 4, runner.n_kv, runner.head_dim, 11
+    calls = []
+    real = fastpath.F.scaled_dot_product_attention
+    monkeypatch.setattr(fastpath.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: calls.append(tuple(q.shape)) or real(q, k, v, **kw))
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 4, 5):
+        q = torch.randn(1, hq, n, d, dtype=torch.float64, generator=gen)
+        k, v = (torch.randn(1, hkv, width, d, dtype=torch.float64, generator=gen) for _ in range(2))
+        mask = torch.rand(n, width, generator=gen) > 0.4
+        mask[:, 0] = True  # every row sees at least one slot
+        calls.clear()
+        out = runner._attend(q, k, v, mask, torch.float64)
+        stacked = 1 < n <= fastpath.GROUPED_MAX_ROWS
+        assert calls == [(1, hkv, hq // hkv * n, d) if stacked else (1, hq, n, d)]
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            scores = (q[0, h] @ k[0, kv].T * runner.scaling).masked_fill(~mask, float("-inf"))
+            want = scores.softmax(-1) @ v[0, kv]  # [N, D]
+            assert (out[0, h] - want).abs().max().item() < 1e-12, (n, h)
+
+
+def test_a_long_context_extends_the_bf16_drafter_in_float32_where_bf16_is_emulated(monkeypatch):
+    """A prompt's features (>= UPCAST_MIN_ROWS rows) enter a bf16 drafter's cache computed in float32
+    where `upcast_pays` (bf16 stored: exactly the float32 drafter's keys/values, rounded); shorter
+    extensions, and CPUs with native bf16, keep the bf16 computation."""
+    import copy
+
+    from treeflash.models import drafter as drafter_mod
+    from treeflash.models.drafter import DraftCache
+    from treeflash.models.fastpath import UPCAST_MIN_ROWS
+
+    d = tiny_drafter(tiny_target("llama")).to(torch.bfloat16)
+    d32 = copy.deepcopy(d).float()
+    gen = torch.Generator().manual_seed(0)
+    for rows in (UPCAST_MIN_ROWS, UPCAST_MIN_ROWS - 1):
+        feats = torch.randn(rows, d.model.fc.in_features, generator=gen).to(torch.bfloat16)
+        pos = torch.arange(rows)
+        as_fp32 = [(k.bfloat16(), v.bfloat16()) for k, v in d32.context_kv(feats.float(), pos)]
+        as_bf16 = d.context_kv(feats, pos)
+        assert any(not torch.equal(a[0], b[0]) for a, b in zip(as_fp32, as_bf16))  # the paths differ
+        for pays in (True, False):
+            monkeypatch.setattr(drafter_mod, "upcast_pays", lambda dtype, device, pays=pays: pays)
+            cache = DraftCache(len(d.model.layers))
+            d.extend(cache, feats, pos)
+            want = as_fp32 if pays and rows >= UPCAST_MIN_ROWS else as_bf16
+            for i, (k, v) in enumerate(want):
+                assert cache.k[i].dtype == torch.bfloat16
+                assert torch.equal(cache.k[i], k) and torch.equal(cache.v[i], v), (rows, pays, i)

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .drafter_config import DrafterConfig
+from .fastpath import UPCAST_MIN_ROWS, linear, upcast_pays
 
 AR_NORM_EPS = 1e-6  # the published SwiGLU AR-approximation hard-codes its norm's eps
 
@@ -71,8 +72,8 @@ class Attention(nn.Module):
     def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> k, v [nkv, T, hd] (k normed and rotated)."""
         T = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(T, self.nkv, self.hd)).transpose(0, 1)
-        v = self.v_proj(x).view(T, self.nkv, self.hd).transpose(0, 1)
+        k = self.k_norm(linear(self.k_proj, x).view(T, self.nkv, self.hd)).transpose(0, 1)
+        v = linear(self.v_proj, x).view(T, self.nkv, self.hd).transpose(0, 1)
         return apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask=None) -> torch.Tensor:
@@ -223,11 +224,14 @@ class Drafter(nn.Module):
     def _rope(self, positions: torch.Tensor, dtype):
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
 
-    def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """feats [C, n_taps*H] target features at positions [C] -> per-layer (k, v) [nkv, C, hd]."""
-        x = self.model.hidden_norm(self.model.fc(feats))
+    def context_kv(self, feats: torch.Tensor, positions: torch.Tensor,
+                   upcast: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """feats [C, n_taps*H] target features at positions [C] -> per-layer (k, v) [nkv, C, hd].
+        upcast: compute in float32 (bf16 weights are upcast per call), return feats' dtype."""
+        x = self.model.hidden_norm(linear(self.model.fc, feats.float() if upcast else feats))
         cos, sin = self._rope(positions, x.dtype)
-        return [layer.self_attn.kv(x, cos, sin) for layer in self.model.layers]
+        kv = [layer.self_attn.kv(x, cos, sin) for layer in self.model.layers]
+        return [(k.to(feats.dtype), v.to(feats.dtype)) for k, v in kv] if upcast else kv
 
     def extend(self, cache: DraftCache, feats: torch.Tensor, positions: torch.Tensor, defer: bool = False) -> None:
         """Append context features (accepted positions) to the drafter's cache; with `defer`, the
@@ -240,7 +244,9 @@ class Drafter(nn.Module):
         cache.length += feats.shape[0]
 
     def _append(self, cache: DraftCache, feats: torch.Tensor, positions: torch.Tensor) -> None:
-        for i, (k, v) in enumerate(self.context_kv(feats, positions)):
+        # a prompt's features on a CPU that emulates bf16: 6x faster in float32 (180 rows, AVX2: 31 -> 5 ms)
+        upcast = feats.shape[0] >= UPCAST_MIN_ROWS and upcast_pays(feats.dtype, feats.device)
+        for i, (k, v) in enumerate(self.context_kv(feats, positions, upcast)):
             cache.append(i, k, v)
 
     def _flush(self, cache: DraftCache) -> None:

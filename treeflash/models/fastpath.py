@@ -40,6 +40,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)  # compiled tree sizes; a tree is padded to the next one
 CAPACITY_STEP = 512
 UPCAST_MIN_ROWS = 64  # flat sequences at least this long compute in float32 (see above)
+GROUPED_MAX_ROWS = 4  # steps of 2..this many rows attend with the query heads of a KV head stacked (`_attend`)
 
 
 @functools.cache
@@ -225,7 +226,6 @@ class FastPath:
         x = x[None]  # [1, N, H]
         cos, sin = self.decoder.rotary_emb(x, pos[None])  # [1, N, D]
         cos, sin = cos[:, None], sin[:, None]             # [1, 1, N, D]
-        attn_mask = mask[None, None]                      # [1, 1, N, S]
         width = mask.shape[-1]
         taps = {}
         for i, layer in enumerate(self.decoder.layers):
@@ -245,8 +245,7 @@ class FastPath:
             keys, values = cache.update(k, v, i, slots)  # [1, Hkv, S', D], S' >= S
             dt = self.attn_dtype or q.dtype
             q, keys, values = q.to(dt), keys[:, :, :width].to(dt), values[:, :, :width].to(dt)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=self.scaling,
-                                               enable_gqa=True).to(x.dtype)  # [1, Hq, N, D]
+            o = self._attend(q, keys, values, mask, x.dtype)  # [1, Hq, N, D]
             x = x + linear(a.o_proj, o.transpose(1, 2).reshape(1, o.shape[2], -1))
             h = layer.post_attention_layernorm(x)
             if fl.gate_up is not None:
@@ -258,6 +257,25 @@ class FastPath:
                 taps[i] = x[0]
         h = self.decoder.norm(x[0])
         return h, (torch.cat([taps[i] for i in tap_ids], -1) if tap_ids else h[:, :0])
+
+    def _attend(self, q, keys, values, mask, dtype):
+        """q [1, Hq, N, D], keys/values [1, Hkv, S, D], mask [N, S] bool -> [1, Hq, N, D] in `dtype`.
+
+        A step of 2-4 rows (a small tree) stacks the g = Hq/Hkv query heads that share a KV head
+        as g*N rows of one head (row gi*N + n: head h*g + gi, node n; the mask repeated per head):
+        ATen's CPU flash attention then runs Hkv heads of g*N rows instead of Hq heads of N rows
+        with the KV heads broadcast, which cost a 3-row step 2 ms more on an AVX2 CPU
+        (docs/performance.md §11). One row keeps the broadcast form: it is faster there."""
+        hq, n, d = q.shape[1], q.shape[2], q.shape[3]
+        g = hq // self.n_kv
+        if 1 < n <= GROUPED_MAX_ROWS and g > 1:
+            width = mask.shape[-1]
+            o = F.scaled_dot_product_attention(q.reshape(1, self.n_kv, g * n, d), keys, values,
+                                               attn_mask=mask.expand(g, n, width).reshape(1, 1, g * n, width),
+                                               scale=self.scaling)  # [1, Hkv, g*N, D]
+            return o.view(1, hq, n, d).to(dtype)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None], scale=self.scaling,
+                                              enable_gqa=True).to(dtype)
 
     def _step(self, ids, pos, slots, mask, cache: StaticKV, tap_ids: tuple):
         """The compiled unit: `_decode` and the LM head over every row: float32 logits [N, V], features."""
