@@ -212,6 +212,30 @@ def test_small_tree_attention_stacks_the_query_heads_of_each_kv_head(monkeypatch
             assert (out[0, h] - want).abs().max().item() < 1e-12, (n, h)
 
 
+def test_the_drafter_block_attends_with_the_query_heads_of_each_kv_head_stacked(monkeypatch):
+    """Inference (no mask: every row sees the context and the block) runs Hkv heads of g*Q rows; in
+    float64 it gives the training path's result (an all-visible mask, KV heads broadcast) to 1e-12."""
+    from treeflash.models import drafter as drafter_mod
+
+    d = tiny_drafter(tiny_target("llama")).double()
+    attn = d.model.layers[0].self_attn
+    assert attn.nh > attn.nkv, "the test needs grouped query heads"
+    calls = []
+    real = drafter_mod.F.scaled_dot_product_attention
+    monkeypatch.setattr(drafter_mod.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: calls.append(tuple(q.shape)) or real(q, k, v, **kw))
+    gen = torch.Generator().manual_seed(0)
+    for Q in (1, 3, 8):
+        x = torch.randn(Q, d.config.hidden_size, dtype=torch.float64, generator=gen)
+        k, v = (torch.randn(attn.nkv, 13, attn.hd, dtype=torch.float64, generator=gen) for _ in range(2))
+        cos, sin = d._rope(torch.arange(13, 13 + Q), torch.float64)
+        calls.clear()
+        out = attn(x, cos, sin, k, v)
+        want = attn(x, cos, sin, k, v, torch.ones(Q, 13 + Q, dtype=torch.bool))
+        assert calls == [(1, attn.nkv, attn.nh // attn.nkv * Q, attn.hd), (1, attn.nh, Q, attn.hd)]
+        assert (out - want).abs().max().item() < 1e-12, Q
+
+
 def test_a_long_context_extends_the_bf16_drafter_in_float32_where_bf16_is_emulated(monkeypatch):
     """A prompt's features (>= UPCAST_MIN_ROWS rows) enter a bf16 drafter's cache computed in float32
     where `upcast_pays` (bf16 stored: exactly the float32 drafter's keys/values, rounded); shorter

@@ -30,6 +30,8 @@ def changed(f: dataclasses.Field):
         return "chain"
     if f.name == "tree_size":
         return 5
+    if f.name == "block_len":
+        return 3
     if isinstance(d, bool):
         return not d
     if isinstance(d, int):
@@ -166,6 +168,8 @@ def test_bench_option_reaches_the_engine(engine, seen, name):
     (dict(temperature=-1.0), "temperature must be >= 0"),
     (dict(top_k=4, stage2_vocab=3), "stage-2 vocabulary must be 0 or in [top-k, 128]"),
     (dict(stop=("",)), "stop strings must be non-empty text"),
+    (dict(block_len=1), "block length must be 0 (the tree size) or >= 2"),
+    (dict(block_len=-2), "block length must be 0 (the tree size) or >= 2"),
 ])
 def test_check_names_the_bad_value(changes, message):
     with pytest.raises(TreeflashError) as e:

@@ -67,6 +67,23 @@ def test_stage2_vocabulary_is_lossless_and_matches_full_when_wide(setup):
     torch.testing.assert_close(a.next_logp, b.next_logp)
 
 
+@pytest.mark.parametrize("block_len, rows", [(0, 5), (3, 3), (2, 2), (8, 8), (64, 8)])
+def test_block_pass_is_as_long_as_asked_and_lossless(setup, monkeypatch, block_len, rows):
+    """block_len 0: the block pass is as deep as a budget-5 tree reaches (5 rows, root included);
+    N: N rows, at most the drafter's block (8); shorter only where the generation ends. Each is
+    lossless, and the heads read every row of a short block (a tree as deep as the block)."""
+    target, drafter, ref = setup
+    seen, depths = [], []
+    draft = drafter.draft
+    monkeypatch.setattr(drafter, "draft", lambda cache, emb, start: seen.append(emb.shape[0]) or draft(cache, emb, start))
+    p = make_proposer("treeflash", drafter, target.embed, target.lm_head, TreeParams(5, 3, 3, block_len=block_len))
+    heads = p.heads
+    monkeypatch.setattr(p, "heads", lambda h, root: depths.append(h.shape[0]) or heads(h, root))
+    assert run(target, p, PROMPT, N) == ref
+    assert seen[0] == rows and max(seen) == rows and len(set(seen[:-rows])) == 1
+    assert depths[0] == min(rows, 5)  # the heads go no deeper than the tree (budget 5: depth 4)
+
+
 def test_vanilla_matches_hf_generate(setup):
     """Our plain loop equals transformers' own greedy generate."""
     target, _, ref = setup

@@ -125,7 +125,7 @@ class Engine:
 
         cfg = self.config(config, **overrides)
         self._bind()
-        key = (cfg.method, cfg.top_m, cfg.top_k, cfg.stage2_vocab, cfg.draft_vocab, self.target.backend,
+        key = (cfg.method, cfg.top_m, cfg.top_k, cfg.stage2_vocab, cfg.draft_vocab, cfg.block_len, self.target.backend,
                torch.get_num_threads())
         if key in self.auto:
             return self.auto[key]

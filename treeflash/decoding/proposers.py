@@ -37,6 +37,8 @@ class TreeParams:
     # Propose only from the drafter's draft vocabulary when it has one (its LM head then runs over
     # those rows; measured: see docs/performance.md). False: the whole vocabulary.
     draft_vocab: bool = GenerationConfig.draft_vocab
+    # Rows of the drafter's block pass, root included (0: the budget; capped at the drafter's block).
+    block_len: int = GenerationConfig.block_len
 
     def check(self, vocab: int) -> "TreeParams":
         """Raise on a bad value; a stage-2 vocabulary wider than `vocab` becomes `vocab`."""
@@ -47,6 +49,9 @@ class TreeParams:
                 raise TreeflashError(f"{name} must be in [1, {vocab}] (the vocabulary size), got {v}")
         if self.stage2_vocab and not self.top_k <= self.stage2_vocab:
             raise TreeflashError(f"stage-2 vocabulary must be 0 or in [top-k, {vocab}], got {self.stage2_vocab}")
+        if isinstance(self.block_len, bool) or not isinstance(self.block_len, int) or self.block_len == 1 \
+                or self.block_len < 0:
+            raise TreeflashError(f"block length must be 0 (the tree size) or >= 2, got {self.block_len!r}")
         return dataclasses.replace(self, stage2_vocab=min(self.stage2_vocab, vocab))
 
 
@@ -78,12 +83,11 @@ class Proposer:
         if self.params.budget < 2:
             return root_only(root_token)
         t0 = time.perf_counter()
-        depth = min(max_depth, self.drafter.block_size - 1) if self.drafter is not None else 0
+        depth = self.block_depth(max_depth)
         tables = None
         if depth >= 1:
             h = self.draft_states(cache, root_token, start, depth)  # [depth+1, H]
             # a tree of `budget` nodes is at most budget-1 deep: the heads need no deeper positions
-            # (the block pass keeps its full length, the length the drafter was trained on)
             tables = self.heads(h[: min(depth, self.params.budget - 1) + 1], root_token)
         t1 = time.perf_counter()
         branches = self.lookup_branches(history, max_depth) if self.index is not None else None
@@ -91,6 +95,17 @@ class Proposer:
         self.timings["draft"] += t1 - t0
         self.timings["tree"] += time.perf_counter() - t1
         return tree
+
+    def block_depth(self, max_depth: int) -> int:
+        """Mask rows of this step's block pass: as deep as the tree reaches (a tree of `budget`
+        nodes is at most budget-1 deep) or `block_len`-1, within the drafter's block and
+        `max_depth`. The masks beyond the tree's reach only change what the others attend to (the
+        drafter attends bidirectionally inside its block), so dropping them is cheaper and still
+        lossless; the drafter was trained on full blocks, so tau can move a little."""
+        if self.drafter is None:
+            return 0
+        rows = self.params.block_len or self.params.budget
+        return max(0, min(max_depth, self.drafter.block_size - 1, rows - 1))
 
     def compile_heads(self, on: bool, cpp_gemm: bool = False) -> None:
         """Run the heads as a compiled graph where the method has one (the compiled backends)."""
@@ -165,7 +180,7 @@ class TreeFlash(Proposer):
         vocab = self.draft_heads.vocab if self.drafter is not None else None
         if not on or vocab is None:
             return
-        depth = min(self.params.budget, self.drafter.block_size) - 1
+        depth = min(self.block_depth(self.drafter.block_size), self.params.budget - 1)
         n_cols = self._n_cols(len(vocab))
         if depth >= 1 and n_cols and self.draft_heads.prev_table() is not None:
             p = self.params

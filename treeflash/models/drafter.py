@@ -83,9 +83,15 @@ class Attention(nn.Module):
         k_blk, v_blk = self.kv(x, cos, sin)
         k = torch.cat([k_ctx, k_blk], 1)  # [nkv, C+Q, hd]
         v = torch.cat([v_ctx, v_blk], 1)
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
-                                           enable_gqa=self.nh != self.nkv)  # [1, nh, Q, hd]
-        return self.o_proj(o[0].transpose(0, 1).reshape(Q, self.nh * self.hd))
+        if mask is None:  # inference: every row sees the context and the whole block
+            # the g = nh/nkv query heads of a KV head as g*Q rows of one head (head h*g + i: row
+            # block i of head h), which ATen's CPU flash attention runs faster than broadcast KV
+            # heads (docs/performance.md §12)
+            o = F.scaled_dot_product_attention(q.reshape(1, self.nkv, -1, self.hd), k[None], v[None])
+        else:
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                               enable_gqa=self.nh != self.nkv)  # [1, nh, Q, hd]
+        return self.o_proj(o.reshape(self.nh, Q, self.hd).transpose(0, 1).reshape(Q, self.nh * self.hd))
 
 
 class MLP(nn.Module):
