@@ -59,7 +59,7 @@ class GenerationConfig:
         type=tree_size_arg)
     top_m: int = _opt(8, "TreeFlash stage-1 candidates per position")
     top_k: int = _opt(8, "TreeFlash stage-2 children per candidate")
-    # measured: tau within 0.5 % of 256 columns (which match the whole vocabulary), heads 0.35-1.4 ms
+    # measured: tau within 0.6 % of 256 columns (which match the whole vocabulary), heads 0.35-1.4 ms
     # faster at budgets 3-8 (docs/performance.md §12)
     stage2_vocab: int = _opt(64, "TreeFlash stage 2 scores each position's top-N marginal tokens (0 = all)")
     draft_vocab: bool = _opt(True, "propose only from the drafter's draft vocabulary when it ships one",

@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .drafter_config import DrafterConfig
-from .fastpath import UPCAST_MIN_ROWS, linear, upcast_pays
+from .fastpath import UPCAST_MIN_ROWS, linear, stacked_attention, upcast_pays
 
 AR_NORM_EPS = 1e-6  # the published SwiGLU AR-approximation hard-codes its norm's eps
 
@@ -84,14 +84,11 @@ class Attention(nn.Module):
         k = torch.cat([k_ctx, k_blk], 1)  # [nkv, C+Q, hd]
         v = torch.cat([v_ctx, v_blk], 1)
         if mask is None:  # inference: every row sees the context and the whole block
-            # the g = nh/nkv query heads of a KV head as g*Q rows of one head (head h*g + i: row
-            # block i of head h), which ATen's CPU flash attention runs faster than broadcast KV
-            # heads (docs/performance.md §12)
-            o = F.scaled_dot_product_attention(q.reshape(1, self.nkv, -1, self.hd), k[None], v[None])
+            o = stacked_attention(q[None], k[None], v[None])  # [1, nh, Q, hd]
         else:
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                                enable_gqa=self.nh != self.nkv)  # [1, nh, Q, hd]
-        return self.o_proj(o.reshape(self.nh, Q, self.hd).transpose(0, 1).reshape(Q, self.nh * self.hd))
+        return self.o_proj(o[0].transpose(0, 1).reshape(Q, self.nh * self.hd))
 
 
 class MLP(nn.Module):

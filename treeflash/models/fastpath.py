@@ -102,6 +102,20 @@ def upcast_pays(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 and device.type == "cpu" and bool(cpu_flags()) and "amx_bf16" not in cpu_flags()
 
 
+def stacked_attention(q, keys, values, mask=None, scale=None) -> torch.Tensor:
+    """Grouped-query attention with the g = Hq/Hkv query heads of each KV head stacked as g*N rows
+    of one head (row i*N + n: head h*g + i, row n; the mask repeated per head), which ATen's CPU flash
+    attention runs faster than broadcast KV heads for a few rows (docs/performance.md §11-12).
+    q [1, Hq, N, D], keys/values [1, Hkv, S, D], mask [N, S] bool or None -> [1, Hq, N, D]."""
+    hq, n, d = q.shape[1:]
+    g = hq // keys.shape[1]
+    if mask is not None:
+        mask = mask.expand(g, n, mask.shape[-1]).reshape(1, 1, g * n, -1)
+    o = F.scaled_dot_product_attention(q.reshape(1, keys.shape[1], g * n, d), keys, values,
+                                       attn_mask=mask, scale=scale)  # [1, Hkv, g*N, D]
+    return o.view(1, hq, n, d)
+
+
 def linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """mod(x); a plain nn.Linear with weights of another dtype computes in x's dtype."""
     if type(mod) is nn.Linear and mod.weight.dtype != x.dtype:
@@ -266,14 +280,9 @@ class FastPath:
         ATen's CPU flash attention then runs Hkv heads of g*N rows instead of Hq heads of N rows
         with the KV heads broadcast, which cost a 3-row step 2 ms more on an AVX2 CPU
         (docs/performance.md §11). One row keeps the broadcast form: it is faster there."""
-        hq, n, d = q.shape[1], q.shape[2], q.shape[3]
-        g = hq // self.n_kv
-        if 1 < n <= GROUPED_MAX_ROWS and g > 1:
-            width = mask.shape[-1]
-            o = F.scaled_dot_product_attention(q.reshape(1, self.n_kv, g * n, d), keys, values,
-                                               attn_mask=mask.expand(g, n, width).reshape(1, 1, g * n, width),
-                                               scale=self.scaling)  # [1, Hkv, g*N, D]
-            return o.view(1, hq, n, d).to(dtype)
+        n = q.shape[2]
+        if 1 < n <= GROUPED_MAX_ROWS and q.shape[1] > self.n_kv:
+            return stacked_attention(q, keys, values, mask, self.scaling).to(dtype)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None], scale=self.scaling,
                                               enable_gqa=True).to(dtype)
 
