@@ -15,8 +15,8 @@ from treeflash.errors import TreeflashError
 from treeflash.models.drafter_config import default_target_layer_ids
 from treeflash.models.target import Target
 from treeflash.training import features as F
-from treeflash.training.objective import (IGNORE, block_inputs, block_mask, dense_reference_mask,
-                                          sample_anchors)
+from treeflash.training.objective import (IGNORE, block_inputs, block_lengths, block_mask,
+                                          dense_reference_mask, sample_anchors)
 from treeflash.training.trainer import TrainConfig, Trainer, export
 
 VOCAB = 64
@@ -93,6 +93,18 @@ def test_mask_matches_dense_reference():
         assert not m[qi, a:40].any() and m[qi, :a].all()
 
 
+def test_short_block_mask_matches_dense_reference_and_lengths_are_deterministic():
+    anchors = torch.tensor([5, 9, 20, 31, 33])
+    lengths = block_lengths(anchors, 6, short_frac=0.6)
+    assert torch.equal(lengths, block_lengths(anchors, 6, short_frac=0.6))  # resume / ranks draw the same
+    assert ((lengths >= 2) & (lengths <= 6)).all()
+    assert block_lengths(anchors, 6, 0.0).tolist() == [6] * 5
+    many = block_lengths(torch.arange(10, 410), 6, short_frac=1.0)
+    assert sorted(set(many.tolist())) == [2, 3, 4, 5]  # every short length, never the full block
+    fixed = torch.tensor([2, 6, 3, 5, 4])
+    assert torch.equal(block_mask(anchors, 40, 6, fixed), dense_reference_mask(anchors.tolist(), 40, 6, fixed.tolist()))
+
+
 def test_block_inputs_labels_and_prev():
     ids = torch.arange(100, 120)
     tokens, pos, labels, prev = block_inputs(ids, torch.tensor([3, 17]), 4, mask_token_id=7)
@@ -100,6 +112,36 @@ def test_block_inputs_labels_and_prev():
     assert pos.tolist() == [3, 4, 5, 6, 17, 18, 19, 20]
     assert labels.tolist() == [IGNORE, 104, 105, 106, IGNORE, 118, 119, IGNORE]  # 20 is past the end
     assert prev.tolist()[1:4] == [103, 104, 105]
+
+
+def test_block_inputs_cut_short_blocks():
+    ids = torch.arange(100, 120)
+    _, _, labels, _ = block_inputs(ids, torch.tensor([3, 10]), 4, mask_token_id=7, lengths=torch.tensor([2, 4]))
+    assert labels.tolist() == [IGNORE, 104, IGNORE, IGNORE, IGNORE, 111, 112, 113]
+
+
+def test_a_short_training_block_is_the_engines_short_block_pass():
+    """Rows of a block cut to L in training (block_mask with lengths, all blocks in one call) equal, in
+    float64 to 1e-12, the engine's L-row block pass (`--block-len L`: no mask, only the anchor's
+    prefix in the cache); with full-block training masks they do not."""
+    from conftest import tiny_drafter, tiny_target
+
+    d = tiny_drafter(tiny_target("llama"), block_size=6).double()
+    gen = torch.Generator().manual_seed(0)
+    T, B = 30, 6
+    feats = torch.randn(T, d.model.fc.in_features, dtype=torch.float64, generator=gen)
+    kv = d.context_kv(feats, torch.arange(T))
+    anchors, lengths = torch.tensor([7, 15, 22]), torch.tensor([3, 6, 2])
+    emb = torch.randn(3 * B, d.config.hidden_size, dtype=torch.float64, generator=gen)
+    pos = (anchors[:, None] + torch.arange(B)).reshape(-1)
+    cut = d.forward_block(emb, pos, kv, block_mask(anchors, T, B, lengths))
+    full = d.forward_block(emb, pos, kv, block_mask(anchors, T, B))
+    for j, (a, L) in enumerate(zip(anchors.tolist(), lengths.tolist())):
+        rows = slice(j * B, j * B + L)
+        engine = d.forward_block(emb[rows], pos[rows], [(k[:, :a], v[:, :a]) for k, v in kv])
+        assert (cut[rows] - engine).abs().max().item() < 1e-12, (j, L)
+        if L < B:
+            assert (full[rows] - engine).abs().max().item() > 1e-6, (j, L)
 
 
 def test_objective_ignores_other_blocks(env):
@@ -136,6 +178,26 @@ def test_features_then_training_loss_decreases(env):
     assert last["step"] == 30 and len(last["acc"]) == 3
     meta = F.read_metadata(env["files"][0])
     assert json.loads(meta["layer_ids"]) == default_target_layer_ids(4, 2) == [1, 1]  # a 4-layer target
+
+
+def test_short_block_training_scores_only_the_kept_rows(env):
+    """--short-blocks 1: every block is cut to 2..B-1 rows; only those rows carry loss, the global
+    weight sum counts the same rows, and validation (and its gamma) stays on full blocks."""
+    from treeflash.training.objective import default_gamma, position_weights
+    from treeflash.training.trainer import local_weight
+
+    tr = Trainer(config(env, "short", short_blocks=1.0, gamma=2.0), env["target"])
+    s = tr.store.get(0)
+    T = s["ids"].numel()
+    a = torch.arange(s["prompt_len"], T - 1, 3)
+    lengths = tr.obj.block_lengths(a)
+    out = tr.obj(s["feats"].float(), s["ids"], a)
+    want = [sum(1 for j, L in zip(a.tolist(), lengths.tolist()) if 1 <= k < L and j + k < T) for k in range(4)]
+    assert out["count"].tolist() == want and want[3] == 0 and want[1] > 0
+    assert float(out["weight"]) == pytest.approx(local_weight(tr.obj, s, a), rel=1e-6)
+    assert tr.val_obj.block_lengths(a) is None
+    assert torch.equal(tr.obj.pos_w, position_weights(4, 2.0))
+    assert torch.equal(tr.val_obj.pos_w, position_weights(4, default_gamma(4)))
 
 
 def test_kill_and_resume_reproduces_next_loss(env):
@@ -263,7 +325,8 @@ def run_cli(*argv) -> subprocess.CompletedProcess:
 
 
 def test_bad_config_values(env):
-    for kw in ({"block_size": 1}, {"lr": -1.0}, {"warmup": 1.5}, {"kl_weight": 2.0}, {"freeze_body": True}):
+    for kw in ({"block_size": 1}, {"lr": -1.0}, {"warmup": 1.5}, {"kl_weight": 2.0}, {"freeze_body": True},
+               {"short_blocks": 1.5}, {"short_blocks": -0.1}, {"gamma": -1.0}, {"gamma": float("nan")}):
         with pytest.raises(TreeflashError, match="bad config value"):
             config(env, "bad", **kw).check()
     r = run_cli("train", "fit", "--target", str(env["tdir"]), "--features", str(env["files"][0]),
@@ -423,13 +486,18 @@ def test_tau_compares_drafters_in_one_run(tmp_path, capsys):
     out = tmp_path / "tau.json"
     assert main(["train", "tau", "--drafter", f"{shipped},random", "--sets", "gsm8k", "-n", "1",
                  "--max-new-tokens", "24", "--methods", "vanilla,treeflash", "--tree-size", "4",
-                 "--dtype", "float32", "--json-out", str(out)]) == 0
+                 "--dtype", "float32", "--block-len", "0,8", "--json-out", str(out)]) == 0
     rows = json.loads(out.read_text())["gsm8k"]
-    assert set(rows) == {"vanilla", f"{Path(shipped).name}/treeflash@4", "random/treeflash@4"}
+    name = Path(shipped).name
+    assert set(rows) == {"vanilla", f"{name}/treeflash@4", "random/treeflash@4", f"{name}/treeflash@4/8",
+                         "random/treeflash@4/8"}
     assert rows["vanilla"]["tau"] == 1.0
     assert rows[f"{Path(shipped).name}/treeflash@4"]["tau"] > rows["random/treeflash@4"]["tau"]
     assert main(["train", "tau", "--drafter", "random,random", "--sets", "gsm8k"]) == 2
     assert "listed twice" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse: a usage line and exit code 2
+        main(["train", "tau", "--block-len", "3,1"])
+    assert e.value.code == 2 and "block lengths must be 0" in capsys.readouterr().err
 
 
 def test_with_ar_and_grow_keep_the_draft_vocab():

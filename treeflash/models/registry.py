@@ -14,6 +14,7 @@ import importlib.metadata as md
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,7 +127,7 @@ def resolve_target(name_or_path: str) -> tuple[Path, str | None]:
     """
     if name_or_path in TARGETS:
         cached = cache_dir() / "targets" / name_or_path
-        if not (cached / "config.json").exists() or not (cached / "model.safetensors").exists():
+        if not is_converted(cached):
             convert_gguf(gguf_path(name_or_path), cached)
         return cached, None
     p = Path(name_or_path).expanduser()
@@ -146,7 +147,8 @@ def resolve_target(name_or_path: str) -> tuple[Path, str | None]:
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantise a GGUF once into an fp32 safetensors HF directory (atomically)."""
+    """Dequantise a GGUF once into an fp32 safetensors HF directory (atomically; processes that
+    convert the same file at once each write their own temporary directory, and the first wins)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"treeflash: converting {gguf.name} to a safetensors cache in {out_dir} (once)", flush=True)
@@ -156,13 +158,31 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = gguf.stem
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size="20GB")
-    tok.save_pretrained(str(tmp))
-    shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size="20GB")
+        tok.save_pretrained(str(tmp))
+        publish_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def is_converted(d: Path) -> bool:
+    return (d / "config.json").exists() and (d / "model.safetensors").exists()
+
+
+def publish_dir(tmp: Path, out_dir: Path) -> None:
+    """Rename a finished `tmp` to `out_dir`, unless a complete `out_dir` is already there (another
+    process converted the same file first: its copy is kept, `tmp` is left to the caller)."""
+    if is_converted(out_dir):
+        return
+    shutil.rmtree(out_dir, ignore_errors=True)  # an incomplete leftover
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:  # another process renamed its copy in between
+        if not is_converted(out_dir):
+            raise
 
 
 def resolve_drafter(name_or_path: str | None, target_name: str) -> Path | None:

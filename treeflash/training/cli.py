@@ -88,6 +88,8 @@ def register(sub) -> None:
     m.add_argument("--methods", default="chain,marginal,treeflash", help="comma list; vanilla runs once")
     m.add_argument("-n", type=int, default=10, help="prompts per set")
     m.add_argument("--tree-size", type=_ints, default=[16], help="nodes per step; a comma list sweeps")
+    m.add_argument("--block-len", type=_block_lens, default=[0],
+                   help="rows of the drafter's block pass (0: as deep as the tree); a comma list sweeps")
     m.add_argument("--backend", default="auto", choices=BACKENDS)
     m.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=False,
                    help="one untimed generation per arm first (use with --backend compiled when timing)")
@@ -265,8 +267,9 @@ def load_prompts(name: str, n: int) -> list[list[str]]:
 
 
 def measure_tau(engines: dict, sets: list[str], methods: list[str], n: int, tree_sizes: list[int],
-                max_new: int, warm: bool = False) -> dict:
-    """{set: {label: {tau, steps, tokens, tok_per_s}}}, label "DRAFTER/METHOD@B" (vanilla: "vanilla").
+                max_new: int, warm: bool = False, block_lens: tuple[int, ...] = (0,)) -> dict:
+    """{set: {label: {tau, steps, tokens, tok_per_s}}}, label "DRAFTER/METHOD@B" (vanilla: "vanilla"),
+    with "/LEN" appended for a block length other than the default 0 (`--block-len`).
 
     engines: {drafter name: Engine}, all on one target. Every arm (drafter x method x budget) runs
     on a prompt before the next prompt (interleaved, so machine noise hits all alike); multi-turn
@@ -274,22 +277,22 @@ def measure_tau(engines: dict, sets: list[str], methods: list[str], n: int, tree
     compiled backend compiles each tree size on first use)."""
     from tqdm import tqdm
 
-    arms = [("vanilla", next(iter(engines.values())), "vanilla", 1)] if "vanilla" in methods else []
-    arms += [(f"{name}/{m}@{b}", e, m, b) for name, e in engines.items() for m in methods if m != "vanilla"
-             for b in tree_sizes]
+    arms = [("vanilla", next(iter(engines.values())), "vanilla", 1, 0)] if "vanilla" in methods else []
+    arms += [(f"{name}/{m}@{b}" + (f"/{L}" if L else ""), e, m, b, L) for name, e in engines.items()
+             for m in methods if m != "vanilla" for b in tree_sizes for L in block_lens]
     if warm:
-        for _, e, m, b in arms:
-            e.generate("Say hello.", method=m, tree_size=b, max_new_tokens=8)
+        for _, e, m, b, L in arms:
+            e.generate("Say hello.", method=m, tree_size=b, max_new_tokens=8, block_len=L)
     out = {}
     for name in sets:
         prompts = load_prompts(name, n)
         acc = {label: ([], 0, 0.0) for label, *_ in arms}
         for turns in tqdm(prompts, desc=name, leave=False):
-            for label, e, m, b in arms:
+            for label, e, m, b, L in arms:
                 msgs, (lens, tokens, secs) = [], acc[label]
                 for user in turns:
                     msgs.append({"role": "user", "content": user})
-                    r = e.generate(list(msgs), method=m, max_new_tokens=max_new, tree_size=b)
+                    r = e.generate(list(msgs), method=m, max_new_tokens=max_new, tree_size=b, block_len=L)
                     msgs.append({"role": "assistant", "content": r.text})
                     lens = lens + r.stats.acceptance_lengths
                     tokens, secs = tokens + r.stats.new_tokens, secs + r.stats.total_s
@@ -304,11 +307,22 @@ def measure_tau(engines: dict, sets: list[str], methods: list[str], n: int, tree
     return out
 
 
-def _ints(value: str) -> list[int]:
+def _parse_ints(value: str) -> list[int]:
     try:
-        out = [int(v) for v in value.split(",") if v.strip()]
+        return [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {value!r}") from None
+
+
+def _block_lens(value: str) -> list[int]:
+    out = _parse_ints(value)
+    if not out or any(v < 0 or v == 1 for v in out):
+        raise argparse.ArgumentTypeError(f"block lengths must be 0 (as deep as the tree) or >= 2, got {value!r}")
+    return out
+
+
+def _ints(value: str) -> list[int]:
+    out = _parse_ints(value)
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"tree sizes must be >= 1, got {value!r}")
     return out
@@ -333,7 +347,8 @@ def run_tau(args) -> int:
                for d in drafters}
     if len(engines) != len(drafters):
         raise TreeflashError("two drafters share a directory name; give them distinct names")
-    res = measure_tau(engines, sets, methods, args.n, args.tree_size, args.max_new_tokens, warm=args.warmup)
+    res = measure_tau(engines, sets, methods, args.n, args.tree_size, args.max_new_tokens, warm=args.warmup,
+                      block_lens=tuple(args.block_len))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

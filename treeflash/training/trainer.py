@@ -55,6 +55,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     batch_seqs: int = 8  # sequences per step (global)
     max_anchors: int = 32  # blocks per sequence
+    # fraction of blocks cut to a random length in 2..block_size-1, as the engine's short block passes
+    # (`--block-len`); validation always scores full blocks, weighted with the default gamma
+    short_blocks: float = 0.0
+    gamma: float = 0.0  # position-loss decay exp(-(k-1)/gamma); 0 = DFlash's default for the block size
     steps: int = 1000
     kl_weight: float = 0.5
     ar_weight: float = 1.0
@@ -88,6 +92,10 @@ class TrainConfig:
             bad(f"kl_weight must be in [0, 1], got {self.kl_weight}")
         if self.ar_weight < 0 or self.grad_clip < 0 or self.draft_vocab < 0 or self.val_seqs < 0:
             bad("ar_weight, grad_clip, draft_vocab and val_seqs must be >= 0")
+        if not 0 <= self.short_blocks <= 1:
+            bad(f"short_blocks must be in [0, 1], got {self.short_blocks}")
+        if not (self.gamma >= 0 and math.isfinite(self.gamma)):
+            bad(f"gamma must be >= 0 (0 = the default for the block size), got {self.gamma}")
         if self.grow_layers < 0 or (self.grow_layers and self.init in ("target", "random")):
             bad("grow_layers needs init = a trained drafter directory, and must be >= 0")
         if self.grow_layers and self.freeze_body:
@@ -292,7 +300,7 @@ def anchors_for(seq: dict, step: int, index: int, cfg: TrainConfig) -> torch.Ten
 
 def local_weight(obj: DraftObjective, seq: dict, anchors: torch.Tensor) -> float:
     _, _, labels, _ = block_inputs(seq["ids"], anchors, obj.cfg.block_size, obj.drafter.config.mask_token_id,
-                                   seq.get("pred"))
+                                   seq.get("pred"), obj.block_lengths(anchors))
     return float(obj.weights(labels).sum())
 
 
@@ -340,9 +348,10 @@ class Trainer:
         lcfg = LossConfig(block_size=dc.block_size, max_anchors=cfg.max_anchors, kl_weight=cfg.kl_weight,
                           ar_weight=cfg.ar_weight if self.drafter.ar_approximation is not None else 0.0,
                           marginal_weight=0.0 if cfg.freeze_body else 1.0,
-                          negatives=cfg.negatives if draft_vocab is not None else 0)
+                          negatives=cfg.negatives if draft_vocab is not None else 0,
+                          short_blocks=cfg.short_blocks, gamma=cfg.gamma or None)
         self.obj = DraftObjective(self.drafter, emb, head, lcfg, draft_vocab)
-        self.val_obj = DraftObjective(self.drafter, emb, head, replace(lcfg, negatives=0), None)  # full vocabulary: honest accuracy
+        self.val_obj = DraftObjective(self.drafter, emb, head, replace(lcfg, negatives=0, short_blocks=0.0, gamma=None), None)  # full vocabulary: honest accuracy
         self.model = BatchObjective(self.obj)
         if self.world > 1:
             self.model = torch.nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)
