@@ -32,6 +32,8 @@ def changed(f: dataclasses.Field):
         return 5
     if f.name == "block_len":
         return 3
+    if f.name == "stage2_vocab":
+        return 32
     if isinstance(d, bool):
         return not d
     if isinstance(d, int):
@@ -167,6 +169,7 @@ def test_bench_option_reaches_the_engine(engine, seen, name):
     (dict(top_p=0.0), "top-p must be in (0, 1]"),
     (dict(temperature=-1.0), "temperature must be >= 0"),
     (dict(top_k=4, stage2_vocab=3), "stage-2 vocabulary must be 0 or in [top-k, 128]"),
+    (dict(stage2_vocab="wide"), "stage-2 vocabulary must be a number or 'auto'"),
     (dict(stop=("",)), "stop strings must be non-empty text"),
     (dict(block_len=1), "block length must be 0 (the tree size) or >= 2"),
     (dict(block_len=-2), "block length must be 0 (the tree size) or >= 2"),
@@ -175,6 +178,19 @@ def test_check_names_the_bad_value(changes, message):
     with pytest.raises(TreeflashError) as e:
         GenerationConfig().replace(**changes).check(128)
     assert str(e.value).startswith(message)
+
+
+def test_auto_stage2_columns_grow_with_the_budget_and_an_explicit_value_is_kept():
+    from treeflash.decoding.proposers import TreeParams
+
+    assert GenerationConfig().stage2_vocab == "auto"
+    auto = {b: GenerationConfig(tree_size=b).tree(50_000).stage2_vocab for b in (2, 4, 5, 8, 16, 64)}
+    assert auto == {2: 64, 4: 64, 5: 80, 8: 128, 16: 256, 64: 256}
+    assert GenerationConfig(tree_size="auto").tree(50_000, budget=16).stage2_vocab == 256  # the resolved budget
+    assert GenerationConfig(tree_size=16).tree(128).stage2_vocab == 128  # at most the vocabulary
+    assert GenerationConfig(tree_size=16, stage2_vocab=64).tree(50_000).stage2_vocab == 64
+    assert GenerationConfig(tree_size=16, stage2_vocab=0).tree(50_000).stage2_vocab == 0
+    assert TreeParams(16).stage2_vocab == 256 and TreeParams(3).stage2_vocab == 64
 
 
 def test_prepare_compiles_every_tree_size_up_to_the_budget(engine, monkeypatch):

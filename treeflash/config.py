@@ -35,6 +35,12 @@ def tree_size_arg(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
 
 
+def auto_stage2_vocab(budget: int) -> int:
+    """Stage-2 columns for `--stage2-vocab auto`: 64 up to budget 4 (a small tree reads only the top
+    few tokens, and the heads' cost counts most there), 16 per node above, at most 256."""
+    return min(256, max(64, 16 * budget))
+
+
 def _methods() -> tuple[str, ...]:
     from .decoding.proposers import METHODS
 
@@ -59,9 +65,12 @@ class GenerationConfig:
         type=tree_size_arg)
     top_m: int = _opt(8, "TreeFlash stage-1 candidates per position")
     top_k: int = _opt(8, "TreeFlash stage-2 children per candidate")
-    # measured: tau within 0.6 % of 256 columns (which match the whole vocabulary), heads 0.35-1.4 ms
-    # faster at budgets 3-8 (docs/performance.md §12)
-    stage2_vocab: int = _opt(64, "TreeFlash stage 2 scores each position's top-N marginal tokens (0 = all)")
+    # measured (docs/performance.md §12-13): 64 columns make the heads 0.35-1.4 ms faster at budgets 3-8
+    # for at most 0.6 % less tau; at budget 16 they cost MT-Bench 1.2 % of tau (2.209 -> 2.183), so
+    # wide trees get more
+    stage2_vocab: int | str = _opt(
+        "auto", "TreeFlash stage 2 scores each position's top-N marginal tokens (0 = all; auto: 64 up to "
+                "budget 4, 16 per node above, at most 256)", type=tree_size_arg)
     draft_vocab: bool = _opt(True, "propose only from the drafter's draft vocabulary when it ships one",
                              action=argparse.BooleanOptionalAction)
     # measured: budget 3 on AVX2 bf16, 1.1 ms less per step for 1 % less tau (docs/performance.md §12)
@@ -93,6 +102,9 @@ class GenerationConfig:
             raise TreeflashError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise TreeflashError(f"seed must be an integer, got {self.seed!r}")
+        if self.stage2_vocab != "auto" and (isinstance(self.stage2_vocab, bool)
+                                            or not isinstance(self.stage2_vocab, int)):
+            raise TreeflashError(f"stage-2 vocabulary must be a number or 'auto', got {self.stage2_vocab!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise TreeflashError("stop strings must be non-empty text")
         self.sampling(vocab)
@@ -110,7 +122,8 @@ class GenerationConfig:
         from .decoding.proposers import TreeParams
 
         size = self.tree_size if budget is None else budget
-        return TreeParams(int(size), int(self.top_m), int(self.top_k), int(self.stage2_vocab),
+        cols = self.stage2_vocab if self.stage2_vocab == "auto" else int(self.stage2_vocab)
+        return TreeParams(int(size), int(self.top_m), int(self.top_k), cols,
                           bool(self.draft_vocab), int(self.block_len)).check(vocab)
 
     @classmethod

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import GenerationConfig
+from ..config import GenerationConfig, auto_stage2_vocab
 from ..errors import TreeflashError
 from ..models.drafter import DraftCache, Drafter
 from .heads import DraftHeads
@@ -33,12 +33,17 @@ class TreeParams:
     top_k: int = GenerationConfig.top_k       # TreeFlash stage-2 children per candidate
     # TreeFlash stage 2 scores only the position's top-`stage2_vocab` marginal tokens (0 = the whole
     # vocabulary): the LM head over (B-1) x m rows is otherwise the dearest part of a step.
+    # "auto" becomes `auto_stage2_vocab(budget)` on construction.
     stage2_vocab: int = GenerationConfig.stage2_vocab
     # Propose only from the drafter's draft vocabulary when it has one (its LM head then runs over
     # those rows; measured: see docs/performance.md). False: the whole vocabulary.
     draft_vocab: bool = GenerationConfig.draft_vocab
     # Rows of the drafter's block pass, root included (0: the budget; capped at the drafter's block).
     block_len: int = GenerationConfig.block_len
+
+    def __post_init__(self):
+        if self.stage2_vocab == "auto":
+            object.__setattr__(self, "stage2_vocab", auto_stage2_vocab(self.budget))
 
     def check(self, vocab: int) -> "TreeParams":
         """Raise on a bad value; a stage-2 vocabulary wider than `vocab` becomes `vocab`."""
