@@ -35,6 +35,15 @@ def tree_size_arg(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
 
 
+def _int_or_auto(value) -> bool:
+    return value == "auto" or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def valid_block_len(value) -> bool:
+    """Rows of the drafter's block pass: 0 (as deep as the tree) or at least 2 (root + one MASK)."""
+    return isinstance(value, int) and not isinstance(value, bool) and (value == 0 or value >= 2)
+
+
 def auto_stage2_vocab(budget: int) -> int:
     """Stage-2 columns for `--stage2-vocab auto`: 64 up to budget 4 (a small tree reads only the top
     few tokens, and the heads' cost counts most there), 16 per node above, at most 256."""
@@ -96,14 +105,13 @@ class GenerationConfig:
         """Raise a one-line TreeflashError on any bad value (vocab: the target's vocabulary rows)."""
         if self.method not in _methods():
             raise TreeflashError(f"unknown method {self.method!r}; choose from {', '.join(_methods())}")
-        if self.tree_size != "auto" and (isinstance(self.tree_size, bool) or not isinstance(self.tree_size, int)):
+        if not _int_or_auto(self.tree_size):
             raise TreeflashError(f"tree size must be a number or 'auto', got {self.tree_size!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise TreeflashError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise TreeflashError(f"seed must be an integer, got {self.seed!r}")
-        if self.stage2_vocab != "auto" and (isinstance(self.stage2_vocab, bool)
-                                            or not isinstance(self.stage2_vocab, int)):
+        if not _int_or_auto(self.stage2_vocab):
             raise TreeflashError(f"stage-2 vocabulary must be a number or 'auto', got {self.stage2_vocab!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise TreeflashError("stop strings must be non-empty text")

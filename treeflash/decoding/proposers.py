@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import GenerationConfig, auto_stage2_vocab
+from ..config import GenerationConfig, auto_stage2_vocab, valid_block_len
 from ..errors import TreeflashError
 from ..models.drafter import DraftCache, Drafter
 from .heads import DraftHeads
@@ -54,8 +54,7 @@ class TreeParams:
                 raise TreeflashError(f"{name} must be in [1, {vocab}] (the vocabulary size), got {v}")
         if self.stage2_vocab and not self.top_k <= self.stage2_vocab:
             raise TreeflashError(f"stage-2 vocabulary must be 0 or in [top-k, {vocab}], got {self.stage2_vocab}")
-        if isinstance(self.block_len, bool) or not isinstance(self.block_len, int) or self.block_len == 1 \
-                or self.block_len < 0:
+        if not valid_block_len(self.block_len):
             raise TreeflashError(f"block length must be 0 (the tree size) or >= 2, got {self.block_len!r}")
         return dataclasses.replace(self, stage2_vocab=min(self.stage2_vocab, vocab))
 

@@ -14,7 +14,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from ..config import BACKENDS
+from ..config import BACKENDS, valid_block_len
 from ..errors import TreeflashError
 
 
@@ -316,7 +316,7 @@ def _parse_ints(value: str) -> list[int]:
 
 def _block_lens(value: str) -> list[int]:
     out = _parse_ints(value)
-    if not out or any(v < 0 or v == 1 for v in out):
+    if not out or not all(map(valid_block_len, out)):
         raise argparse.ArgumentTypeError(f"block lengths must be 0 (as deep as the tree) or >= 2, got {value!r}")
     return out
 
