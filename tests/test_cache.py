@@ -159,6 +159,43 @@ def test_bf16_attention_computes_in_float32_where_bf16_is_emulated(monkeypatch):
         assert cache.k[0].dtype == torch.bfloat16 and logits[0].dtype == torch.float32
 
 
+def test_compiled_graphs_stay_with_their_own_instance():
+    """Compiled steps guard only their arguments, not what they reach through `self`
+    (`fastpath.skip_guards_through_self`), so each compiled function keeps its own graphs
+    (`compile_frozen`): two targets, then two drafters, of one architecture and dtype (the same code
+    and argument shapes) each compute with their own frozen weights. Without the isolation the
+    second instance silently runs the first one's graph."""
+    from types import SimpleNamespace
+
+    from treeflash.models import fastpath
+
+    names = ["self", "self.scaling", "self._modules['model']._parameters['weight']", "type(self).__mro__",
+             "dict(type(self).__mro__[1].__dict__)", "cache", "cache.k[0]", "tap_ids", "G['self']", "self_x"]
+    kept = fastpath.skip_guards_through_self([SimpleNamespace(name=n) for n in names])
+    assert kept == [False] * 5 + [True] * 5
+    ids = torch.arange(5, 9)
+    for seed in (0, 1):
+        out = {}
+        for backend in ("compiled", "static"):
+            t = tiny_target("llama", seed=seed).set_backend(backend)
+            cache = t.new_cache(64)
+            t.forward(ids[:3], torch.arange(3), cache)
+            out[backend] = t.forward(ids[3:], torch.arange(3, 4), cache)[0][0]
+        torch.testing.assert_close(out["compiled"], out["static"], atol=1e-5, rtol=1e-5)
+    target = tiny_target("llama")
+    gen = torch.Generator().manual_seed(0)
+    for seed in (1, 2):
+        d = tiny_drafter(target, seed=seed)
+        c = d.config
+        kv = [tuple(torch.randn(c.num_key_value_heads, 6, c.head_dim, generator=gen) for _ in range(2))
+              for _ in d.model.layers]
+        block, pos = torch.randn(4, c.hidden_size, generator=gen), torch.arange(6, 10)
+        with torch.no_grad():
+            want = d.forward_block(block, pos, kv)
+            d.compile_drafting(True)
+            torch.testing.assert_close(d._compiled_block(block, pos, kv), want, atol=1e-5, rtol=1e-5)
+
+
 def test_micro_gemm_table_keeps_the_4x24_block_off_multiples_of_4_rows():
     """The compiled-cpp backend edits inductor's AVX2 bf16 micro-kernel table: the 4 x 24 register
     block (it spills with 4 rows) stays the choice for 1-3 rows and is skipped for 4, 8, ... rows.

@@ -189,7 +189,7 @@ class TablesGraph(nn.Module):
 
     def __init__(self, heads: DraftHeads, m: int, k: int, n_cols: int, depth: int, cpp_gemm: bool):
         super().__init__()
-        from ..models.fastpath import compile_options
+        from ..models.fastpath import compile_frozen
 
         ar, drafter = heads.drafter.ar_approximation, heads.drafter
         self.m, self.k, self.n_cols, self.depth = m, k, n_cols, depth
@@ -201,10 +201,7 @@ class TablesGraph(nn.Module):
         zero = torch.zeros(1, dtype=torch.long)
         self.register_buffer("row_pos", torch.cat([zero, torch.arange(1, depth).repeat_interleave(m)]),
                              persistent=False)         # [R] the position each stage-2 row reads
-        import torch._inductor.config as inductor_config
-
-        inductor_config.freezing = True
-        self.run = torch.compile(self.forward, dynamic=False, fullgraph=True, options=compile_options(cpp_gemm))
+        self.run = compile_frozen(self.forward, cpp_gemm, dynamic=False, fullgraph=True)
         self.warmed = False
 
     def forward(self, h: torch.Tensor, root_part: torch.Tensor):

@@ -295,15 +295,11 @@ class Drafter(nn.Module):
         if not on or cpp_gemm != self._compiled_cpp:
             self._compiled_block = self._compiled_extend_block = None
         if on and self._compiled_block is None:
-            import torch._inductor.config as inductor_config
+            from .fastpath import compile_frozen
 
-            from .fastpath import compile_options
-
-            inductor_config.freezing = True
-            options = compile_options(cpp_gemm)
-            self._compiled_block = torch.compile(self.forward_block, dynamic=True, options=options)
+            self._compiled_block = compile_frozen(self.forward_block, cpp_gemm, dynamic=True)
             # the decode loop's step: last step's accepted context + this block, one call
-            self._compiled_extend_block = torch.compile(self.extend_block, dynamic=True, options=options)
+            self._compiled_extend_block = compile_frozen(self.extend_block, cpp_gemm, dynamic=True)
             self._compiled_cpp = cpp_gemm
             self._warm_compiled()
 

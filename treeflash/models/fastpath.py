@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,31 @@ def compile_options(cpp_gemm: bool) -> dict | None:
         return None
     avoid_spilling_micro_gemm()
     return {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+
+
+# a guard whose source is reached through `self` (its attributes, modules, parameters, class)
+_THROUGH_SELF = re.compile(r"(?<![\w'\"])self\b")
+
+
+def skip_guards_through_self(entries) -> list[bool]:
+    """torch.compile's `guard_filter_fn` for a compiled bound method: keep the guards on its
+    arguments and on global state, drop those reached through `self`. A frozen graph has its
+    weights folded in, so guarding them is moot, and their ~3,000 guards cost a compiled target
+    step 0.2-0.4 ms per call (docs/performance.md §14). Safe only with `isolate_recompiles` (see
+    `compile_frozen`): otherwise another instance's call would find this instance's graph."""
+    return [not _THROUGH_SELF.search(e.name) for e in entries]
+
+
+def compile_frozen(method, cpp_gemm: bool = False, **kwargs):
+    """torch.compile a bound method of a module whose weights become graph constants (inductor's
+    freezing). The compiled function keeps its own cache entries (`isolate_recompiles`), so it never
+    runs a graph compiled for another instance (another model's weights), and it guards only its
+    arguments (`skip_guards_through_self`). `cpp_gemm`: see `compile_options`."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.freezing = True
+    options = {**(compile_options(cpp_gemm) or {}), "guard_filter_fn": skip_guards_through_self}
+    return torch.compile(method, options=options, isolate_recompiles=True, **kwargs)
 
 
 def _rows_not_multiple_of_4(config, m, n, k, *args, **kwargs) -> bool:
@@ -292,12 +318,8 @@ class FastPath:
         return self.model.get_output_embeddings()(h).float(), feats
 
     def _compiled_step(self, tap_ids: tuple):
-        if tap_ids not in self._compiled:
-            import torch._inductor.config as inductor_config
-
-            inductor_config.freezing = True  # weights as constants: what makes compiling pay on CPU
-            self._compiled[tap_ids] = torch.compile(self._step, dynamic=False, fullgraph=True,
-                                                    options=compile_options(self.cpp_gemm))
+        if tap_ids not in self._compiled:  # weights as constants: what makes compiling pay on CPU
+            self._compiled[tap_ids] = compile_frozen(self._step, self.cpp_gemm, dynamic=False, fullgraph=True)
         return self._compiled[tap_ids]
 
     @torch.no_grad()
