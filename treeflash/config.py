@@ -35,13 +35,17 @@ def tree_size_arg(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _int_or_auto(value) -> bool:
-    return value == "auto" or (isinstance(value, int) and not isinstance(value, bool))
+    return value == "auto" or _is_int(value)
 
 
 def valid_block_len(value) -> bool:
     """Rows of the drafter's block pass: 0 (as deep as the tree) or at least 2 (root + one MASK)."""
-    return isinstance(value, int) and not isinstance(value, bool) and (value == 0 or value >= 2)
+    return _is_int(value) and (value == 0 or value >= 2)
 
 
 def auto_stage2_vocab(budget: int) -> int:
