@@ -1,10 +1,10 @@
 """Echo stubs: function stubs whose docstring is new prose, answered by checking a copy.
 
 Asked to "reply with the complete function", the target first copies the stub: signature,
-docstring, then writes a body. The drafter copies a docstring well where the target knows the text
-already (the documented functions of popular packages) and badly where it is new: its top-1 at
-block position 1 is 0.82 on unseen package stubs but 0.57 on the copied part of HumanEval answers
-(docs/training.md, session 22). Echo stubs teach the copy itself. Each takes a stub and replaces its
+docstring, then writes a body. The drafter copies package docstrings well and HumanEval's badly: its
+top-1 at block position 1 is 0.82 on the copied part of unseen package-stub answers but 0.57 on
+that of HumanEval answers (docs/training.md, session 22). Echo stubs give it copies of text that is
+in no package's documentation. Each takes a stub and replaces its
 docstring with a paragraph of ShareGPT user text (`paragraphs`, `echo_stub`). The target's answer
 is not generated token by token. The copy is a guess, checked in one forward pass: the longest
 prefix of `` ```python\\n<stub>`` on which every token is the target's greedy choice
