@@ -250,6 +250,7 @@ def test_jsonl_and_gzipped_shards_read_alike(tmp_path):
     assert main(["data", "pack", str(src), str(tmp_path / "dst")]) == 0
     packed = tmp_path / "dst" / "shard-00000.jsonl.gz"
     assert gzip.decompress(packed.read_bytes()) == (src / "shard-00000.jsonl").read_bytes()
+    assert packed.read_bytes()[4:8] == bytes(4)  # no mtime: repacking gives the same bytes
     assert data.read_jsonl(packed) == rows and data.shard_files(tmp_path / "dst") == [packed]
     assert data.scan_shards(tmp_path / "dst", stop_ids={5}).next_shard == 1
 

@@ -186,7 +186,7 @@ def run_echo(args) -> int:
     from ..errors import TreeflashError
     from ..models.drafter_config import default_target_layer_ids
     from ..models.target import Target
-    from .data import load_prompts
+    from .data import load_prompts, write_atomic
     from .echo import echo_shards, paragraphs
 
     check_limit(args.limit)
@@ -209,7 +209,7 @@ def run_echo(args) -> int:
     meta = {"target": args.target, "dtype": args.dtype, "stubs": args.stubs, "texts": args.texts,
             "skip": args.skip, "limit": args.limit, "seed": args.seed, "shard_size": args.shard_size,
             "paragraphs": len(texts), "this_run": {**stats, "seconds": round(time.perf_counter() - t0, 1)}}
-    (Path(args.out) / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_atomic(Path(args.out) / "meta.json", json.dumps(meta, indent=2) + "\n")
     print(json.dumps({"out": args.out, "features": args.features, **meta["this_run"]}))
     return 0
 
@@ -245,13 +245,11 @@ def run_regen(args) -> int:
 def run_pack(args) -> int:
     """Copy each finished shard as shard-NNNNN.jsonl.gz (deterministic gzip: no name, no mtime),
     skipping those already packed; then meta.json. Readers take .jsonl and .jsonl.gz alike."""
-    import gzip
-    import shutil
     from pathlib import Path
 
     from ..errors import TreeflashError
     from ..fsutil import ensure_writable_dir
-    from .data import shard_files
+    from .data import shard_files, write_atomic, write_gzip_atomic
 
     src, dst = Path(args.src), ensure_writable_dir(Path(args.dst))
     shards = [p for p in shard_files(src) if p.suffix == ".jsonl"]
@@ -262,13 +260,10 @@ def run_pack(args) -> int:
         out = dst / (shard.name + ".gz")
         if out.exists():
             continue
-        tmp = out.with_name(out.name + ".tmp")
-        with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=9, mtime=0) as f:
-            f.write(shard.read_bytes())
-        tmp.replace(out)
+        write_gzip_atomic(out, shard.read_bytes())
         new += 1
     if (src / "meta.json").is_file():
-        shutil.copyfile(src / "meta.json", dst / "meta.json")
+        write_atomic(dst / "meta.json", (src / "meta.json").read_text(encoding="utf-8"))
     size = sum(p.stat().st_size for p in dst.glob("shard-*.jsonl.gz"))
     print(json.dumps({"packed": new, "shards": len(shards), "bytes": size, "dst": str(dst)}))
     return 0

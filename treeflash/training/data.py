@@ -61,6 +61,18 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_gzip_atomic(path: Path, data: bytes) -> None:
+    """Gzip `data` to `path` deterministically (no file name, mtime 0: the same bytes give the same
+    file, so checked-in shards do not change when rewritten), through a .tmp file and a rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as raw:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=9, mtime=0) as f:
+            f.write(data)
+        raw.flush()
+        os.fsync(raw.fileno())
+    os.replace(tmp, path)
+
+
 def write_jsonl(path: Path, rows: Iterable[dict]) -> int:
     lines = [json.dumps(r, ensure_ascii=False) for r in rows]
     write_atomic(path, "".join(line + "\n" for line in lines))
