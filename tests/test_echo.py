@@ -81,6 +81,10 @@ def test_echo_shards_write_matching_tokens_and_features_and_resume(tiny_target_d
     assert ids == [i for r in recs for i in r["input_ids"]]
     again = echo.echo_shards(target, stubs, texts, tmp_path / "tok", 3, shard_size=2, features=tmp_path / "f")
     assert again["sequences"] == 0  # both shards were there: nothing recomputed
+    # deterministic gzip (mtime 0 in the header): a rerun elsewhere writes the same bytes
+    echo.echo_shards(target, stubs, texts, tmp_path / "tok2", 3, shard_size=2)
+    for s in sorted((tmp_path / "tok").glob("shard-*.jsonl.gz")):
+        assert s.read_bytes()[4:8] == bytes(4) and s.read_bytes() == (tmp_path / "tok2" / s.name).read_bytes()
 
 
 def test_cli_echo_missing_file_is_one_line(tmp_path, capsys):

@@ -14,9 +14,7 @@ forward gives the training features (`echo_shards(..., features=DIR)`).
 """
 from __future__ import annotations
 
-import gzip
 import json
-import os
 import random
 import re
 import textwrap
@@ -26,6 +24,7 @@ import torch
 
 from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
+from .data import write_gzip_atomic
 
 DOCSTRING = re.compile(r'(?P<q>"""|\'\'\')(?P<body>.*?)(?P=q)', re.S)
 CODE_BLOCK = re.compile(r"```python\n(?P<code>.*?)\n```", re.S)
@@ -118,23 +117,21 @@ def echo_shards(target, stub_rows: list[dict], texts: list[str], out_dir: str | 
     """Write `shard-NNNNN.jsonl.gz` token shards (`data regen`'s format) of checked echo answers;
     with `features`, also each shard's feature file (`train features`' format) from the same
     forward. Resumable: shards already written are skipped, with their prompts."""
-    from safetensors.torch import save_file
-
-    from .features import CacheSpec, feature_name
+    from .features import CacheSpec, feature_name, save_features
 
     out = ensure_writable_dir(out_dir)
     fdir = ensure_writable_dir(features) if features else None
     spec = CacheSpec(target.name, list(target.tap_ids), target.config.hidden_size, target.vocab_rows, top_k, 1024)
-    rows = list(echo_rows(stub_rows, texts, n, seed))
-    if not rows:
+    rows_all = list(echo_rows(stub_rows, texts, n, seed))
+    if not rows_all:
         raise TreeflashError("no echo prompts: the stubs have no docstrings or there is no prose text")
     stats = {"sequences": 0, "response_tokens": 0, "dropped": 0, "guess_tokens": 0}
-    for s, b in enumerate(range(0, len(rows), shard_size)):
+    for s, b in enumerate(range(0, len(rows_all), shard_size)):
         path = out / f"shard-{s:05d}.jsonl.gz"
         if path.exists() and (fdir is None or (fdir / feature_name(path)).exists()):
             continue
-        recs, parts = [], {"feats": [], "top_idx": [], "top_logp": []}
-        for rid, prompt, guess in rows[b:b + shard_size]:
+        recs, rows = [], []
+        for rid, prompt, guess in rows_all[b:b + shard_size]:
             p = target.encode(prompt, chat=True)
             ids, f = checked_copy(target, p, target.tokenizer.encode(guess, add_special_tokens=False), top_k)
             end = len(ids)
@@ -145,24 +142,10 @@ def echo_shards(target, stub_rows: list[dict], texts: list[str], out_dir: str | 
                 stats["dropped"] += 1
                 continue
             recs.append({"id": rid, "input_ids": ids, "prompt_len": len(p)})
-            for k in parts:
-                parts[k].append(f[k])
+            rows.append((ids, len(p), f))
             stats["sequences"] += 1
             stats["response_tokens"] += end - len(p)
-        if fdir is not None and recs:
-            offsets = [0]
-            for r in recs:
-                offsets.append(offsets[-1] + len(r["input_ids"]))
-            tensors = {k: torch.cat(v) for k, v in parts.items()}
-            tensors.update(ids=torch.tensor([t for r in recs for t in r["input_ids"]], dtype=torch.int32),
-                           offsets=torch.tensor(offsets),
-                           prompt_len=torch.tensor([r["prompt_len"] for r in recs], dtype=torch.int32))
-            ftmp = (fdir / feature_name(path)).with_suffix(".tmp")
-            save_file(tensors, str(ftmp), metadata=spec.metadata(path.name))
-            os.replace(ftmp, fdir / feature_name(path))
-        tmp = path.with_name(path.name + ".tmp")
-        with gzip.open(tmp, "wt", encoding="utf-8") as fh:
-            for r in recs:
-                fh.write(json.dumps(r) + "\n")
-        os.replace(tmp, path)
+        if fdir is not None:
+            save_features(fdir / feature_name(path), rows, spec, path.name)
+        write_gzip_atomic(path, "".join(json.dumps(r) + "\n" for r in recs).encode("utf-8"))
     return stats

@@ -90,30 +90,35 @@ class CacheSpec:
 
 def cache_shard(target: Target, shard: Path, out: Path, spec: CacheSpec, bar: tqdm | None = None) -> int:
     """Write the feature file of one shard atomically; returns its token count."""
-    from safetensors.torch import save_file
-
     seqs = read_shard(shard, target.vocab_rows)
-    parts = {"feats": [], "top_idx": [], "top_logp": []}
-    ids_all, offsets, plens = [], [0], []
     seqs = [(ids[:spec.max_len], plen) for ids, plen in seqs if plen < min(len(ids), spec.max_len) - 1]
+    rows = []
     for ids, plen in seqs:
-        f = sequence_features(target, ids, spec.top_k)
-        for k in parts:
-            parts[k].append(f[k])
-        ids_all.extend(ids)
-        offsets.append(len(ids_all))
-        plens.append(plen)
+        rows.append((ids, plen, sequence_features(target, ids, spec.top_k)))
         if bar is not None:
             bar.update(len(ids))
-    if not seqs:
+    return save_features(out, rows, spec, shard.name)
+
+
+def save_features(out: Path, rows: list[tuple[list[int], int, dict]], spec: CacheSpec, source: str) -> int:
+    """Write one feature file atomically from (token ids, prompt length, `sequence_features`
+    output) per sequence; `source`: the token shard's name (metadata). Returns its token count
+    (0: nothing written, no sequences)."""
+    from safetensors.torch import save_file
+
+    if not rows:
         return 0
-    tensors = {k: torch.cat(v) for k, v in parts.items()}
-    tensors.update(ids=torch.tensor(ids_all, dtype=torch.int32), offsets=torch.tensor(offsets),
-                   prompt_len=torch.tensor(plens, dtype=torch.int32))
+    tensors = {k: torch.cat([f[k] for _, _, f in rows]) for k in ("feats", "top_idx", "top_logp")}
+    offsets = [0]
+    for ids, _, _ in rows:
+        offsets.append(offsets[-1] + len(ids))
+    tensors.update(ids=torch.tensor([t for ids, _, _ in rows for t in ids], dtype=torch.int32),
+                   offsets=torch.tensor(offsets),
+                   prompt_len=torch.tensor([plen for _, plen, _ in rows], dtype=torch.int32))
     tmp = out.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=spec.metadata(shard.name))
+    save_file(tensors, str(tmp), metadata=spec.metadata(source))
     os.replace(tmp, out)
-    return len(ids_all)
+    return offsets[-1]
 
 
 def build_cache(target: Target, data_dir: str | Path, out_dir: str | Path, layer_ids: list[int],
