@@ -100,6 +100,13 @@ def test_bench_end_to_end_consistent(tmp_path, tiny_target):
         assert r["mean_acceptance_length"] == pytest.approx(sum(sum(s["acceptance_lengths"]) for s in turns) / steps)
         assert r["tokens_per_second"] == pytest.approx(r["num_tokens"] / sum(s["time_s"]["total"] for s in turns),
                                                        rel=1e-3)
+        flags = [c for g in mine for t in g["turns"] for c in t["copy_steps"]]
+        assert len(flags) == steps  # one flag per step, every step of every turn
+        if r["method"] not in ("vanilla", "hf-generate", "hf-prompt-lookup", "hf-assisted"):
+            share = r["copy_step_share"]
+            assert share == pytest.approx(sum(flags) / steps)
+            parts = [(share, r["tau_copy_steps"]), (1 - share, r["tau_other_steps"])]
+            assert sum(w * t for w, t in parts if t is not None) == pytest.approx(r["mean_acceptance_length"])
         # greedy fp32: every method reproduces vanilla token for token, so pass@1 agrees too
         assert r["identical_to_vanilla"] == 1.0, (r["dataset"], r["method"], r["tree_size"])
         if r["dataset"] == "humaneval":

@@ -63,6 +63,38 @@ def test_incremental_index_matches_brute_force(seed):
     assert seen_match, "the sequences should repeat: the test must bite"
 
 
+def brute_copy_steps(prompt, out, lengths, n=3):
+    """Per step: scan the history backwards for the most recent earlier occurrence of its last n tokens."""
+    flags, pos = [], 1
+    for a in lengths:
+        if pos >= len(out):
+            flags.append(False)
+            continue
+        hist = prompt + out[:pos]
+        follow = next((hist[i + n] for i in range(len(hist) - n - 1, -1, -1) if hist[i:i + n] == hist[-n:]), None)
+        flags.append(len(hist) >= n and follow == out[pos])
+        pos += a
+    return flags
+
+
+def test_copy_steps_by_hand_and_against_a_scan():
+    # prompt 1 2 3 4; output 9 (prefill) 1 2 3 4 5: only the step whose history ends "1 2 3" copies (-> 4)
+    assert L.copy_steps([1, 2, 3, 4], [9, 1, 2, 3, 4, 5], [1] * 5) == [False, False, False, True, False]
+    # a step that commits several tokens moves the next step's root past them: roots 9, 1, 3
+    assert L.copy_steps([1, 2, 3, 4], [9, 1, 2, 3, 4, 5], [1, 2, 2]) == [False, False, True]
+    assert L.copy_steps([1, 2, 3, 4], [9, 1, 2, 3, 4, 5], [1, 3, 1]) == [False, False, False]
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(200):
+        prompt = [rng.randrange(4) for _ in range(rng.randrange(0, 12))]
+        out = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        lengths = [rng.randrange(1, 4) for _ in range(len(out))]
+        got = L.copy_steps(prompt, out, lengths)
+        assert got == brute_copy_steps(prompt, out, lengths)
+        hits += sum(got)
+    assert hits > 50  # the random text repeats: the comparison covers copy steps
+
+
 def test_branches_respect_max_len_and_restart_on_another_sequence():
     index = L.LookupIndex(L.LookupParams(max_len=16))
     index.sync([1, 2, 3, 4, 5, 6, 1, 2])

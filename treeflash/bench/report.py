@@ -61,12 +61,25 @@ def summarize(key: tuple, recs: list, vanilla: dict, passes: dict) -> dict:
         "time_split_s": split if method in ("vanilla", "chain", "marginal", "treeflash") else None,
         "speedup_vs_vanilla": None, "speedup_vs_hf_generate": None, "speedup_vs_llama_cpp": None,
         "identical_to_vanilla": sum(ident) / len(ident) if ident else None,
+        **copy_split(recs),
     }
     if dataset == "humaneval" and passes:
         results = [passes[(r.method, r.tree_size, r.sample_id)] for r in recs]
         row["humaneval_pass_at_1"] = sum(results) / len(results)
         row["humaneval_passed"] = sorted(r.sample_id for r, ok in zip(recs, results) if ok)
     return row
+
+
+def copy_split(recs: list) -> dict:
+    """Share of steps that were copy steps (`decoding.lookup.copy_steps`) and tau on them and on
+    the rest (None where there are none)."""
+    pairs = [(c, a) for r in recs for t in r.turns
+             for c, a in zip(t.get("copy_steps", []), t["stats"]["acceptance_lengths"])]
+    copy = [a for c, a in pairs if c]
+    rest = [a for c, a in pairs if not c]
+    return {"copy_step_share": len(copy) / len(pairs) if pairs else None,
+            "tau_copy_steps": sum(copy) / len(copy) if copy else None,
+            "tau_other_steps": sum(rest) / len(rest) if rest else None}
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -185,6 +198,12 @@ def markdown(results: dict) -> str:
             if r["method"] not in PLAIN:
                 pp = r["per_position_acceptance"] + [0.0] * depth
                 lines.append(f"| {r['dataset']} | {_label(r)} | " + " | ".join(f"{x:.2f}" for x in pp[:depth]) + " |")
+    copy_rows = [r for r in rows if r["method"] not in PLAIN and r.get("copy_step_share") is not None]
+    if copy_rows:
+        lines += ["", "Copy steps (the next token is what a 3-gram lookup over prompt + output would draft):", "",
+                  "| dataset | method | share of steps | tau on copy steps | tau on the rest |", "|---|---|---|---|---|"]
+        lines += [f"| {r['dataset']} | {_label(r)} | {r['copy_step_share']:.0%} | {_fmt(r['tau_copy_steps'])} | "
+                  f"{_fmt(r['tau_other_steps'])} |" for r in copy_rows]
     if len(results["sweep"]["tree_sizes"]) > 1:
         lines += ["", "Fastest budget per method (speedup over vanilla):", ""]
         for d, best in results["sweep"]["best"].items():

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from ..config import GenerationConfig, is_compiled
 from ..decoding.generate import Stats
+from ..decoding.lookup import copy_steps
 from ..decoding.proposers import DRAFTER_METHODS
 from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
@@ -120,7 +121,7 @@ class Record:
     sample_id: str
     method: str
     tree_size: int | None
-    turns: list[dict]          # per turn: token_ids, text, stats (Stats.to_dict())
+    turns: list[dict]          # per turn: token_ids, text, stats (Stats.to_dict()), copy_steps (0/1 per step)
     stats: list[Stats] = field(repr=False, default_factory=list)
 
     def token_ids(self) -> list[list[int]]:
@@ -137,7 +138,8 @@ def run_turns(method: Method, sample: Sample, target, p: GenerationConfig, repea
         gen = median_run(method, ids, p, repeats, bar)
         text = decode_text(target, gen.token_ids)
         messages.append({"role": "assistant", "content": text})
-        turns.append({"token_ids": gen.token_ids, "text": text, "stats": gen.stats.to_dict()})
+        turns.append({"token_ids": gen.token_ids, "text": text, "stats": gen.stats.to_dict(),
+                      "copy_steps": [int(c) for c in copy_steps(ids, gen.token_ids, gen.stats.acceptance_lengths)]})
         stats.append(gen.stats)
     return Record(sample.dataset, sample.id, method.name, method.tree_size, turns, stats)
 

@@ -172,3 +172,33 @@ def scores_from_counts(counts: list, prior: float = 0.2, strength: float = 4.0) 
     """Smoothed log-rates: (agreed + prior * strength) / (seen + strength)."""
     return [[[round(math.log((a + prior * strength) / (n + strength)), 4) for n, a in row] for row in plane]
             for plane in counts]
+
+
+# ---------------------------------------------------------------- copy steps (a diagnostic)
+COPY_NGRAM = 3
+
+
+def copy_steps(prompt_ids: list[int], token_ids: list[int], acceptance_lengths: list[int],
+               n: int = COPY_NGRAM) -> list[bool]:
+    """Which steps of a generation were *copy steps*: the last `n` committed tokens (prompt and
+    output so far, ending with the step's root) occurred earlier, and the token that followed
+    their most recent earlier occurrence is the token the target produced next. An `n`-gram
+    lookup would have drafted that token; the bench reports tau on these steps apart.
+
+    token_ids: the output, whose first token came from the prefill (no step); acceptance_lengths:
+    tokens committed per step (accepted drafts + 1), in order -> one flag per step."""
+    seq = list(prompt_ids) + list(token_ids)
+    follow: dict[tuple, int] = {}  # n-gram -> the token after its most recent occurrence
+    done = n                       # seq[:done] is indexed: every n-gram whose next token is there
+    flags, pos = [], len(prompt_ids) + 1  # history seq[:pos] ends with the first step's root
+    for a in acceptance_lengths:
+        if pos >= len(seq):  # a step past the output's end (cut at the token limit): no next token
+            flags.append(False)
+            continue
+        for f in range(done, pos):  # index the n-grams followed by seq[f], f < pos
+            follow[tuple(seq[f - n:f])] = seq[f]
+        done = max(done, pos)
+        key = tuple(seq[pos - n:pos])
+        flags.append(pos >= n and follow.get(key) == seq[pos])
+        pos += a
+    return flags
