@@ -493,6 +493,9 @@ def test_tau_compares_drafters_in_one_run(tmp_path, capsys):
                          "random/treeflash@4/8"}
     assert rows["vanilla"]["tau"] == 1.0
     assert rows[f"{Path(shipped).name}/treeflash@4"]["tau"] > rows["random/treeflash@4"]["tau"]
+    for r in rows.values():  # the copy-step split recombines into tau
+        parts = [(r["copy_step_share"], r["tau_copy_steps"]), (1 - r["copy_step_share"], r["tau_other_steps"])]
+        assert sum(w * t for w, t in parts if t is not None) == pytest.approx(r["tau"], abs=2e-3)
     assert main(["train", "tau", "--drafter", "random,random", "--sets", "gsm8k"]) == 2
     assert "listed twice" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # argparse: a usage line and exit code 2

@@ -278,13 +278,16 @@ def load_prompts(name: str, n: int) -> list[list[str]]:
 def measure_tau(engines: dict, sets: list[str], methods: list[str], n: int, tree_sizes: list[int],
                 max_new: int, warm: bool = False, block_lens: tuple[int, ...] = (0,)) -> dict:
     """{set: {label: {tau, steps, tokens, tok_per_s}}}, label "DRAFTER/METHOD@B" (vanilla: "vanilla"),
-    with "/LEN" appended for a block length other than the default 0 (`--block-len`).
+    with "/LEN" appended for a block length other than the default 0 (`--block-len`); each also
+    splits tau by copy steps (`decoding.lookup.copy_steps`).
 
     engines: {drafter name: Engine}, all on one target. Every arm (drafter x method x budget) runs
     on a prompt before the next prompt (interleaved, so machine noise hits all alike); multi-turn
     prompts reuse each arm's own answers. warm: one untimed short generation per arm first (the
     compiled backend compiles each tree size on first use)."""
     from tqdm import tqdm
+
+    from ..decoding.lookup import copy_steps
 
     arms = [("vanilla", next(iter(engines.values())), "vanilla", 1, 0)] if "vanilla" in methods else []
     arms += [(f"{name}/{m}@{b}" + (f"/{L}" if L else ""), e, m, b, L) for name, e in engines.items()
@@ -295,24 +298,33 @@ def measure_tau(engines: dict, sets: list[str], methods: list[str], n: int, tree
     out = {}
     for name in sets:
         prompts = load_prompts(name, n)
-        acc = {label: ([], 0, 0.0) for label, *_ in arms}
+        acc = {label: ([], [], 0, 0.0) for label, *_ in arms}
         for turns in tqdm(prompts, desc=name, leave=False):
             for label, e, m, b, L in arms:
-                msgs, (lens, tokens, secs) = [], acc[label]
+                msgs, (lens, copy, tokens, secs) = [], acc[label]
                 for user in turns:
                     msgs.append({"role": "user", "content": user})
                     r = e.generate(list(msgs), method=m, max_new_tokens=max_new, tree_size=b, block_len=L)
+                    copy = copy + copy_steps(e.target.encode(list(msgs), chat=True), r.token_ids,
+                                             r.stats.acceptance_lengths)
                     msgs.append({"role": "assistant", "content": r.text})
                     lens = lens + r.stats.acceptance_lengths
                     tokens, secs = tokens + r.stats.new_tokens, secs + r.stats.total_s
-                acc[label] = (lens, tokens, secs)
+                acc[label] = (lens, copy, tokens, secs)
         out[name] = {}
-        for label, (lens, tokens, secs) in acc.items():
+        for label, (lens, copy, tokens, secs) in acc.items():
             tau = sum(lens) / max(1, len(lens))
+            on = [a for a, c in zip(lens, copy) if c]
+            off = [a for a, c in zip(lens, copy) if not c]
             out[name][label] = {"tau": round(tau, 3), "steps": len(lens), "tokens": tokens,
-                                "tok_per_s": round(tokens / max(secs, 1e-9), 1)}
+                                "tok_per_s": round(tokens / max(secs, 1e-9), 1),
+                                "copy_step_share": round(len(on) / max(1, len(lens)), 3),
+                                "tau_copy_steps": round(sum(on) / len(on), 3) if on else None,
+                                "tau_other_steps": round(sum(off) / len(off), 3) if off else None}
+            split = (f"; copy steps {len(on) / max(1, len(lens)):.0%}: tau {sum(on) / max(1, len(on)):.3f}, "
+                     f"rest {sum(off) / max(1, len(off)):.3f}") if label != "vanilla" else ""
             print(f"{name:10s} {label:40s} tau {tau:.3f} ({len(lens)} steps, "
-                  f"{tokens / max(secs, 1e-9):.1f} tok/s)", flush=True)
+                  f"{tokens / max(secs, 1e-9):.1f} tok/s{split})", flush=True)
     return out
 
 
