@@ -73,13 +73,11 @@ def summarize(key: tuple, recs: list, vanilla: dict, passes: dict) -> dict:
 def copy_split(recs: list) -> dict:
     """Share of steps that were copy steps (`decoding.lookup.copy_steps`) and tau on them and on
     the rest (None where there are none)."""
-    pairs = [(c, a) for r in recs for t in r.turns
-             for c, a in zip(t.get("copy_steps", []), t["stats"]["acceptance_lengths"])]
-    copy = [a for c, a in pairs if c]
-    rest = [a for c, a in pairs if not c]
-    return {"copy_step_share": len(copy) / len(pairs) if pairs else None,
-            "tau_copy_steps": sum(copy) / len(copy) if copy else None,
-            "tau_other_steps": sum(rest) / len(rest) if rest else None}
+    from ..decoding.lookup import copy_split as split
+
+    turns = [t for r in recs for t in r.turns]
+    return split([a for t in turns for a in t["stats"]["acceptance_lengths"][:len(t.get("copy_steps", []))]],
+                 [c for t in turns for c in t.get("copy_steps", [])])
 
 
 def add_speedups(rows: list[dict]) -> None:

@@ -202,3 +202,14 @@ def copy_steps(prompt_ids: list[int], token_ids: list[int], acceptance_lengths: 
         flags.append(pos >= n and follow.get(key) == seq[pos])
         pos += a
     return flags
+
+
+def copy_split(acceptance_lengths: list[int], flags: list[bool]) -> dict:
+    """The share of steps that were copy steps and tau on them and on the rest (None: no such
+    steps), from per-step acceptance lengths and `copy_steps` flags."""
+    on = [a for a, c in zip(acceptance_lengths, flags) if c]
+    off = [a for a, c in zip(acceptance_lengths, flags) if not c]
+    n = len(on) + len(off)
+    return {"copy_step_share": len(on) / n if n else None,
+            "tau_copy_steps": sum(on) / len(on) if on else None,
+            "tau_other_steps": sum(off) / len(off) if off else None}

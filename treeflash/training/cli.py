@@ -287,7 +287,7 @@ def measure_tau(engines: dict, sets: list[str], methods: list[str], n: int, tree
     compiled backend compiles each tree size on first use)."""
     from tqdm import tqdm
 
-    from ..decoding.lookup import copy_steps
+    from ..decoding.lookup import copy_split, copy_steps
 
     arms = [("vanilla", next(iter(engines.values())), "vanilla", 1, 0)] if "vanilla" in methods else []
     arms += [(f"{name}/{m}@{b}" + (f"/{L}" if L else ""), e, m, b, L) for name, e in engines.items()
@@ -314,15 +314,12 @@ def measure_tau(engines: dict, sets: list[str], methods: list[str], n: int, tree
         out[name] = {}
         for label, (lens, copy, tokens, secs) in acc.items():
             tau = sum(lens) / max(1, len(lens))
-            on = [a for a, c in zip(lens, copy) if c]
-            off = [a for a, c in zip(lens, copy) if not c]
+            cs = copy_split(lens, copy)
             out[name][label] = {"tau": round(tau, 3), "steps": len(lens), "tokens": tokens,
                                 "tok_per_s": round(tokens / max(secs, 1e-9), 1),
-                                "copy_step_share": round(len(on) / max(1, len(lens)), 3),
-                                "tau_copy_steps": round(sum(on) / len(on), 3) if on else None,
-                                "tau_other_steps": round(sum(off) / len(off), 3) if off else None}
-            split = (f"; copy steps {len(on) / max(1, len(lens)):.0%}: tau {sum(on) / max(1, len(on)):.3f}, "
-                     f"rest {sum(off) / max(1, len(off)):.3f}") if label != "vanilla" else ""
+                                **{k: None if v is None else round(v, 3) for k, v in cs.items()}}
+            split = (f"; copy steps {cs['copy_step_share']:.0%}: tau {cs['tau_copy_steps'] or 0:.3f}, "
+                     f"rest {cs['tau_other_steps'] or 0:.3f}") if label != "vanilla" and lens else ""
             print(f"{name:10s} {label:40s} tau {tau:.3f} ({len(lens)} steps, "
                   f"{tokens / max(secs, 1e-9):.1f} tok/s{split})", flush=True)
     return out
