@@ -75,9 +75,9 @@ def copy_split(recs: list) -> dict:
     the rest (None where there are none)."""
     from ..decoding.lookup import copy_split as split
 
-    turns = [t for r in recs for t in r.turns]
-    return split([a for t in turns for a in t["stats"]["acceptance_lengths"][:len(t.get("copy_steps", []))]],
-                 [c for t in turns for c in t.get("copy_steps", [])])
+    turns = [t for r in recs for t in r.turns]  # each turn: one copy flag per step
+    return split([a for t in turns for a in t["stats"]["acceptance_lengths"]],
+                 [c for t in turns for c in t["copy_steps"]])
 
 
 def add_speedups(rows: list[dict]) -> None:

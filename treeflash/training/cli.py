@@ -304,9 +304,9 @@ def measure_tau(engines: dict, sets: list[str], methods: list[str], n: int, tree
                 msgs, (lens, copy, tokens, secs) = [], acc[label]
                 for user in turns:
                     msgs.append({"role": "user", "content": user})
-                    r = e.generate(list(msgs), method=m, max_new_tokens=max_new, tree_size=b, block_len=L)
-                    copy = copy + copy_steps(e.target.encode(list(msgs), chat=True), r.token_ids,
-                                             r.stats.acceptance_lengths)
+                    ids = e.target.encode(msgs)  # encoded once: the generation and the copy split read it
+                    r = e.generate(ids, method=m, max_new_tokens=max_new, tree_size=b, block_len=L)
+                    copy = copy + copy_steps(ids, r.token_ids, r.stats.acceptance_lengths)
                     msgs.append({"role": "assistant", "content": r.text})
                     lens = lens + r.stats.acceptance_lengths
                     tokens, secs = tokens + r.stats.new_tokens, secs + r.stats.total_s

@@ -122,30 +122,29 @@ def echo_shards(target, stub_rows: list[dict], texts: list[str], out_dir: str | 
     out = ensure_writable_dir(out_dir)
     fdir = ensure_writable_dir(features) if features else None
     spec = CacheSpec(target.name, list(target.tap_ids), target.config.hidden_size, target.vocab_rows, top_k, 1024)
-    rows_all = list(echo_rows(stub_rows, texts, n, seed))
-    if not rows_all:
+    rows = list(echo_rows(stub_rows, texts, n, seed))
+    if not rows:
         raise TreeflashError("no echo prompts: the stubs have no docstrings or there is no prose text")
     stats = {"sequences": 0, "response_tokens": 0, "dropped": 0, "guess_tokens": 0}
-    for s, b in enumerate(range(0, len(rows_all), shard_size)):
+    for s, b in enumerate(range(0, len(rows), shard_size)):
         path = out / f"shard-{s:05d}.jsonl.gz"
         if path.exists() and (fdir is None or (fdir / feature_name(path)).exists()):
             continue
-        recs, rows = [], []
-        for rid, prompt, guess in rows_all[b:b + shard_size]:
+        kept = []  # (row id, token ids, prompt length, features) of the answers kept
+        for rid, prompt, guess in rows[b:b + shard_size]:
             p = target.encode(prompt, chat=True)
             ids, f = checked_copy(target, p, target.tokenizer.encode(guess, add_special_tokens=False), top_k)
-            end = len(ids)
             stats["guess_tokens"] += len(f["guess"])
             if bar is not None:
                 bar.update(len(p) + len(f["guess"]))
-            if end - len(p) < MIN_COPY:
+            if len(ids) - len(p) < MIN_COPY:
                 stats["dropped"] += 1
                 continue
-            recs.append({"id": rid, "input_ids": ids, "prompt_len": len(p)})
-            rows.append((ids, len(p), f))
+            kept.append((rid, ids, len(p), f))
             stats["sequences"] += 1
-            stats["response_tokens"] += end - len(p)
+            stats["response_tokens"] += len(ids) - len(p)
         if fdir is not None:
-            save_features(fdir / feature_name(path), rows, spec, path.name)
-        write_gzip_atomic(path, "".join(json.dumps(r) + "\n" for r in recs).encode("utf-8"))
+            save_features(fdir / feature_name(path), [k[1:] for k in kept], spec, path.name)
+        write_gzip_atomic(path, "".join(json.dumps({"id": rid, "input_ids": ids, "prompt_len": plen}) + "\n"
+                                        for rid, ids, plen, _ in kept).encode("utf-8"))
     return stats
