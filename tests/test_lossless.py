@@ -1,4 +1,5 @@
 """Greedy losslessness: every method and tree size gives exactly plain greedy decoding (fp32)."""
+import itertools
 import pytest
 import torch
 
@@ -228,7 +229,8 @@ def test_stats_are_recorded_when_the_generation_is_closed_early():
 def test_compiled_treeflash_heads_build_the_eager_tables():
     """The compiled heads (`heads.TablesGraph`, on the compiled backends) build the tables the eager
     heads build, at the budget's depth and at the shorter depths of a generation's end (padded),
-    fall back to the eager heads for a root outside the draft vocabulary, and stay lossless."""
+    also for a root outside the draft vocabulary (its previous-token half is not in the table),
+    and stay lossless."""
     from treeflash.decoding.proposers import TreeParams, make_proposer
     from treeflash.models.drafter import DraftCache
 
@@ -243,16 +245,19 @@ def test_compiled_treeflash_heads_build_the_eager_tables():
     drafter.extend(cache, torch.randn(len(PROMPT), drafter.model.fc.in_features), torch.arange(len(PROMPT)))
     h = p.draft_states(cache, PROMPT[-1], len(PROMPT), 7)  # [8, H]
     assert PROMPT[-1] % 2 == 1
-    for depth in (3, 2, 1):
-        got = p.heads(h[:depth + 1], PROMPT[-1])
+    roots = (PROMPT[-1], 2)  # odd: in the draft vocabulary; even: outside it
+    for root, depth in itertools.product(roots, (3, 2, 1)):
+        got = p.heads(h[:depth + 1], root)
         p.compiled = None
-        want = p.heads(h[:depth + 1], PROMPT[-1])
+        want = p.heads(h[:depth + 1], root)
         p.compiled = (3, False)
         for name in ("candidates", "first_tok", "next_tok"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), (depth, name)
+            assert torch.equal(getattr(got, name), getattr(want, name)), (root, depth, name)
         torch.testing.assert_close(got.next_logp, want.next_logp)
         torch.testing.assert_close(got.first_logp, want.first_logp)
-    assert p.draft_heads.compiled_tables(h[:4], PROMPT[-1], 3, 3, 16, 3, False) is not None  # the graph ran
-    assert p.draft_heads.compiled_tables(h[:4], 2, 3, 3, 16, 3, False) is None  # even root: eager heads
-    assert p.heads(h[:4], 2).candidates.shape == (3, 3)
+    for root in roots:  # the graph ran for both
+        assert p.draft_heads.compiled_tables(h[:4], root, 3, 3, 16, 3, False) is not None
+    # the root's own row of the corrected table differs between an odd and an even root
+    a, b = (p.heads(h[:4], root) for root in roots)
+    assert not torch.equal(a.first_logp, b.first_logp)
     assert run(target, p, PROMPT, N) == ref

@@ -149,16 +149,21 @@ class DraftHeads:
         at most `depth` positions (shorter blocks, at the end of a generation, are padded to it: one
         graph per depth). Returns (candidate columns [D, m], stage-2 columns [1 + (D-1)*m, k], their
         log-probs), or None where the graph does not apply (no draft vocabulary or previous-token
-        table, or the root outside the draft vocabulary)."""
+        table). A root outside the draft vocabulary (about one step in eight on HumanEval) gets its
+        previous-token half computed here rather than read from the table: the eager heads it fell
+        back to before cost about 5 ms against the graph's 2 (docs/performance.md §15)."""
         table, D = self.prev_table(), h.shape[0] - 1
-        root_col = self.column(root_token) if table is not None and self.vocab is not None else None
-        if root_col is None or not 1 <= D <= depth:
+        if table is None or self.vocab is None or not 1 <= D <= depth:
             return None
+        root_col = self.column(root_token)
+        with torch.no_grad():
+            root_part = (table[root_col][None] if root_col is not None
+                         else self._prev_part(torch.tensor([root_token], device=table.device)))  # [1, 2A]
         graph = self.tables_graph(m, k, n_cols, depth, cpp_gemm)
         if D < depth:  # padded positions: their rows come after every row of the first D positions
             h = torch.cat([h, h[-1:].expand(depth - D, -1)])
         with torch.no_grad():
-            cand, idx, vals = graph.run(h, table[root_col][None])
+            cand, idx, vals = graph.run(h, root_part)
         return cand[:D], idx[:1 + (D - 1) * m], vals[:1 + (D - 1) * m]
 
     def tables_graph(self, m: int, k: int, n_cols: int, depth: int, cpp_gemm: bool) -> "TablesGraph":

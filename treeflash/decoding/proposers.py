@@ -179,7 +179,7 @@ class TreeFlash(Proposer):
     def compile_heads(self, on: bool, cpp_gemm: bool = False) -> None:
         """On: stages 1 and 2 as one compiled graph (`heads.TablesGraph`) as deep as this budget's
         trees reach, compiled now; where it does not apply (no draft vocabulary, stage 2 over the
-        whole vocabulary, a root outside the draft vocabulary) the eager heads run."""
+        whole vocabulary) the eager heads run."""
         self.compiled = None
         vocab = self.draft_heads.vocab if self.drafter is not None else None
         if not on or vocab is None:
