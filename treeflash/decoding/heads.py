@@ -118,12 +118,18 @@ class DraftHeads:
     def _prev_parts(self, root_token: int, prev: torch.Tensor) -> torch.Tensor:
         """Each row's previous-token half [1 + (D-1)*m, 2A]: from the table where there is one."""
         table = self.prev_table()
-        root_col = self.column(root_token) if table is not None else None
-        root_part = (table[root_col][None] if root_col is not None
-                     else self._prev_part(prev.new_tensor([root_token])))  # [1, 2A]
+        root_part = self._root_part(root_token, table)  # [1, 2A]
         cand_part = (table[prev.reshape(-1)] if table is not None
                      else self._prev_part(self.tokens(prev).reshape(-1)))  # [(D-1)*m, 2A]
         return torch.cat([root_part, cand_part])
+
+    def _root_part(self, root_token: int, table: torch.Tensor | None) -> torch.Tensor:
+        """The root's previous-token half [1, 2A]: its row of `table`, or computed where it has none
+        (no table, or a root outside the draft vocabulary)."""
+        col = self.column(root_token) if table is not None else None
+        if col is not None:
+            return table[col][None]
+        return self._prev_part(torch.tensor([root_token], device=self.embed.weight.device))
 
     def _prev_part(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [R] -> their previous-token halves [R, 2A]."""
@@ -155,15 +161,11 @@ class DraftHeads:
         table, D = self.prev_table(), h.shape[0] - 1
         if table is None or self.vocab is None or not 1 <= D <= depth:
             return None
-        root_col = self.column(root_token)
-        with torch.no_grad():
-            root_part = (table[root_col][None] if root_col is not None
-                         else self._prev_part(torch.tensor([root_token], device=table.device)))  # [1, 2A]
         graph = self.tables_graph(m, k, n_cols, depth, cpp_gemm)
         if D < depth:  # padded positions: their rows come after every row of the first D positions
             h = torch.cat([h, h[-1:].expand(depth - D, -1)])
         with torch.no_grad():
-            cand, idx, vals = graph.run(h, root_part)
+            cand, idx, vals = graph.run(h, self._root_part(root_token, table))
         return cand[:D], idx[:1 + (D - 1) * m], vals[:1 + (D - 1) * m]
 
     def tables_graph(self, m: int, k: int, n_cols: int, depth: int, cpp_gemm: bool) -> "TablesGraph":
