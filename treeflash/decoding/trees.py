@@ -42,11 +42,12 @@ class Tree:
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: mask[i, j] = j is i or an ancestor of i."""
         n = len(self)
-        mask = torch.eye(n, dtype=torch.bool)
-        parents = self.parents.tolist()
-        for i in range(1, n):
-            mask[i] |= mask[parents[i]]
-        return mask
+        rows: list[list[bool]] = []  # built as lists: a torch op per node cost more than the step's tree
+        for i, p in enumerate(self.parents.tolist()):
+            row = rows[p].copy() if p >= 0 else [False] * n  # a parent precedes its children
+            row[i] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool).view(n, n)
 
     def children(self) -> dict[tuple[int, int], int]:
         """(parent node, token) -> child node."""
