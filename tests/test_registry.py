@@ -14,28 +14,33 @@ def converted_copy(parent: Path, name: str, tag: str) -> Path:
 
 
 def test_concurrent_conversions_leave_one_complete_copy(tmp_path):
-    """Eight writers publish at once (session 20: two feature jobs raced on one temporary directory
-    and one died with a traceback). Every writer returns, and the cache holds one writer's files."""
-    out = tmp_path / "smollm2-135m"
-    errors, start = [], threading.Barrier(8)
+    """Eight writers publish at once, over and over, onto an incomplete leftover (session 20: two
+    feature jobs raced on one temporary directory and one died with a traceback; session 25: a
+    writer deleting the leftover in place made another's rename fail with ENOTEMPTY). Every writer
+    returns, and the cache holds one writer's files."""
+    for rnd in range(20):
+        out = tmp_path / f"smollm2-135m-{rnd}"
+        out.mkdir()
+        (out / "config.json").write_text("partial")  # an interrupted copy: no weights
+        errors, start = [], threading.Barrier(8)
 
-    def writer(i):
-        tmp = converted_copy(tmp_path, out.name, f"w{i}")
-        start.wait()
-        try:
-            publish_dir(tmp, out)
-        except Exception as e:  # noqa: BLE001 (collected for the assert)
-            errors.append(e)
+        def writer(i):
+            tmp = converted_copy(tmp_path, out.name, f"w{i}")
+            start.wait()
+            try:
+                publish_dir(tmp, out)
+            except Exception as e:  # noqa: BLE001 (collected for the assert)
+                errors.append(e)
 
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-    assert is_converted(out)
-    tag = (out / "config.json").read_text()
-    assert (out / "model.safetensors").read_text() == tag and tag in {f"w{i}" for i in range(8)}
+        threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert is_converted(out)
+        tag = (out / "config.json").read_text()
+        assert (out / "model.safetensors").read_text() == tag and tag in {f"w{i}" for i in range(8)}
 
 
 def test_an_incomplete_leftover_is_replaced_and_a_complete_cache_kept(tmp_path):

@@ -172,17 +172,29 @@ def is_converted(d: Path) -> bool:
     return (d / "config.json").exists() and (d / "model.safetensors").exists()
 
 
-def publish_dir(tmp: Path, out_dir: Path) -> None:
+def publish_dir(tmp: Path, out_dir: Path, attempts: int = 16) -> None:
     """Rename a finished `tmp` to `out_dir`, unless a complete `out_dir` is already there (another
-    process converted the same file first: its copy is kept, `tmp` is left to the caller)."""
-    if is_converted(out_dir):
-        return
-    shutil.rmtree(out_dir, ignore_errors=True)  # an incomplete leftover
-    try:
-        os.replace(tmp, out_dir)
-    except OSError:  # another process renamed its copy in between
-        if not is_converted(out_dir):
-            raise
+    process converted the same file first: its copy is kept, `tmp` is left to the caller). An
+    incomplete leftover is renamed aside whole before it is deleted, so no writer ever sees
+    `out_dir` half-deleted (deleting it in place raced with another writer's rename: ENOTEMPTY)."""
+    for _ in range(attempts):
+        if is_converted(out_dir):
+            return
+        if out_dir.exists():
+            aside = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.stale-", dir=out_dir.parent))
+            try:
+                os.replace(out_dir, aside / "d")
+            except OSError:  # another writer moved or replaced it first: look again
+                continue
+            finally:
+                shutil.rmtree(aside, ignore_errors=True)
+        try:
+            os.replace(tmp, out_dir)
+            return
+        except OSError:  # another writer renamed its copy in between: look again
+            continue
+    if not is_converted(out_dir):
+        raise TreeflashError(f"could not publish {out_dir}: other writers kept replacing it")
 
 
 def resolve_drafter(name_or_path: str | None, target_name: str) -> Path | None:
