@@ -196,6 +196,54 @@ def test_compiled_graphs_stay_with_their_own_instance():
             torch.testing.assert_close(d._compiled_block(block, pos, kv), want, atol=1e-5, rtol=1e-5)
 
 
+def test_one_compiled_step_serves_every_capacity_and_attends_over_the_live_slots():
+    """The compiled step's slot dimension is symbolic: a cache of another capacity runs the graphs
+    already compiled (no compile inside a generation), and a step attends over the live slots and
+    its own, rounded up to `WIDTH_STEP`, not over the whole cache. Logits equal the eager path's."""
+    from torch._dynamo.utils import counters
+
+    from treeflash.models.fastpath import WIDTH_STEP
+
+    target, eager = tiny_target("llama").set_backend("compiled"), tiny_target("llama").set_backend("static")
+    compiled_step, seen = target.runner._compiled_step, []
+
+    def spy(taps):
+        step = compiled_step(taps)
+
+        def run(ids, pos, slots, mask, cache, tap_ids):
+            seen.append((len(ids), mask.shape[1], cache.capacity))
+            return step(ids, pos, slots, mask, cache, tap_ids)
+        return run
+
+    target.runner._compiled_step = spy
+    prompt, tree_mask = torch.arange(5, 75), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    graphs = []
+    for need in (64, 1000):
+        caches = [t.new_cache(need) for t in (target, eager)]
+        out = []
+        for t, cache in zip((target, eager), caches):
+            t.forward(prompt, torch.arange(70), cache)  # eager prefill
+            one, _ = t.forward(torch.tensor([80]), torch.tensor([70]), cache)
+            tree, _ = t.forward(torch.tensor([81, 82, 83]), torch.tensor([71, 72, 72]), cache, tree_mask)
+            out.append(torch.stack([one[0]] + [tree[i] for i in range(3)]))
+        torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    caps = [c for _, _, c in seen]
+    assert caps[0] == caps[1] and caps[2] == caps[3] and caps[0] != caps[2]  # two capacities
+    assert graphs[1] == graphs[0]  # the second capacity compiled nothing
+    assert [(n, w) for n, w, _ in seen] == [(1, 2 * WIDTH_STEP), (3, 2 * WIDTH_STEP)] * 2  # 71 and 74 slots
+    # the last slots of a cache: the width would be the whole cache, so the step runs eagerly
+    cache, ref = target.new_cache(64), eager.new_cache(64)
+    last = cache.capacity - 3
+    for t, c in ((target, cache), (eager, ref)):
+        t.forward(torch.arange(last) % 100, torch.arange(last), c)
+    got, want = (t.forward(torch.tensor([81, 82, 83]), last + torch.tensor([0, 1, 1]), c, tree_mask)[0]
+                 for t, c in ((target, cache), (eager, ref)))
+    torch.testing.assert_close(torch.stack([got[i] for i in range(3)]), torch.stack([want[i] for i in range(3)]),
+                               atol=1e-5, rtol=1e-5)
+    assert len(seen) == 4 and counters["stats"]["unique_graphs"] == graphs[0]
+
+
 def test_micro_gemm_table_keeps_the_4x24_block_off_multiples_of_4_rows():
     """The compiled-cpp backend edits inductor's AVX2 bf16 micro-kernel table: the 4 x 24 register
     block (it spills with 4 rows) stays the choice for 1-3 rows and is skipped for 4, 8, ... rows.

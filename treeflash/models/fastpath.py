@@ -9,10 +9,11 @@ One decoder function (`_decode`), two modes; both return (logits, features), log
 - eager (`compile=False`): attention reads only the live slots `[:start+N]`; any N; the logits are
   a `LazyLogits` (the LM head runs over the rows read).
 - compiled (`compile=True`): `torch.compile` (inductor, freezing) of `_step` = `_decode` plus the LM
-  head over every row (a tensor), for a few bucketed tree sizes; attention reads the whole cache
-  (capacity fixed per cache, a multiple of 512) under a bool mask, so each (bucket, capacity) pair
-  compiles once and is cached on disk by inductor. Prefill (and any flat sequence of more than one
-  token) runs eagerly.
+  head over every row (a tensor), for a few bucketed tree sizes; attention reads the live slots
+  and the step's own, rounded up to `WIDTH_STEP`, under a bool mask. The cache's slot dimension
+  and the mask's width are symbolic (`mark_dynamic`), so each bucket compiles once for every
+  capacity and width, and is cached on disk by inductor. Prefill (and any flat sequence of more
+  than one token) runs eagerly.
 - compiled with `cpp_gemm=True` (backend `compiled-cpp`): the same graph, but every matmul is
   inductor's C++ GEMM template (max-autotune with the CPP backend as the only choice, so nothing is
   benchmarked). Where the default kernels cost more with each row (MKL's packed fp32 and ATen's bf16
@@ -40,6 +41,7 @@ from .kvcache import StaticKV, attention_mask
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)  # compiled tree sizes; a tree is padded to the next one
 CAPACITY_STEP = 512
+WIDTH_STEP = 64  # a compiled step attends over the slots [:start + bucket] rounded up to this
 UPCAST_MIN_ROWS = 64  # flat sequences at least this long compute in float32 (see above)
 GROUPED_MAX_ROWS = 4  # steps of 2..this many rows attend with the query heads of a KV head stacked (`_attend`)
 
@@ -224,6 +226,13 @@ class FusedLayer(nn.Module):
         self.sizes = (a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features)
 
 
+def attention_width(start: int, bucket: int, capacity: int) -> int:
+    """The cache slots a compiled step of `bucket` rows at `start` attends over: the live ones and
+    its own, rounded up to WIDTH_STEP (so the graph's symbolic width takes few values), at most
+    the capacity."""
+    return min(capacity, -(-(start + bucket) // WIDTH_STEP) * WIDTH_STEP)
+
+
 class FastPath:
     """One decoder forward over the HF modules of `model` (a *ForCausalLM), writing a StaticKV."""
 
@@ -255,9 +264,15 @@ class FastPath:
 
     # ---- cache ----
     def new_cache(self, need: int, max_length: int) -> StaticKV:
+        if self.compile:  # spare slots: a compiled step's width stays below the capacity (`forward`)
+            need += WIDTH_STEP
         cap = min(max_length + BUCKETS[-1], -(-need // CAPACITY_STEP) * CAPACITY_STEP)
         p = next(self.model.parameters())
-        return StaticKV(len(self.decoder.layers), self.n_kv, self.head_dim, cap, p.dtype, p.device)
+        cache = StaticKV(len(self.decoder.layers), self.n_kv, self.head_dim, cap, p.dtype, p.device)
+        if self.compile:  # the slot dimension is symbolic: one compiled step serves every capacity
+            for t in cache.k + cache.v:
+                torch._dynamo.mark_dynamic(t, 2)
+        return cache
 
     # ---- the forward ----
     def _decode(self, x, pos, slots, mask, cache: StaticKV, tap_ids: tuple):
@@ -336,7 +351,10 @@ class FastPath:
             raise TreeflashError(f"KV cache of {cache.capacity} slots is full (needed {end})")
         bucket = bucket_for(n)
         flat_prefill = tree_mask is None and n > 1
-        if self.compile and not flat_prefill and bucket is not None and start + bucket <= cache.capacity:
+        # compiled where the width stays below the capacity: a slice of the whole cache would be
+        # contiguous, a case the graph is not compiled for (it would recompile)
+        if (self.compile and not flat_prefill and bucket is not None
+                and attention_width(start, bucket, cache.capacity) < cache.capacity):
             logits, feats = self._run_compiled(cache, ids, positions, start, tree_mask, taps, bucket)
         else:
             logits, feats = self._run_eager(cache, ids, positions, start, tree_mask, taps, flat_prefill)
@@ -375,7 +393,9 @@ class FastPath:
     def _run_compiled(self, cache, ids, positions, start, tree_mask, taps, bucket):
         n = len(ids)
         b = cache.inputs(bucket)  # preallocated per cache and bucket: no per-step allocation
-        mask = b["mask"]  # [Nb, capacity]
+        width = attention_width(start, bucket, cache.capacity)
+        mask = b["mask"].view(-1)[:bucket * width].view(bucket, width)  # [Nb, W], contiguous
+        torch._dynamo.mark_dynamic(mask, 1)  # W is symbolic: no compile per width
         attention_mask(start, tree_mask, mask[:n])
         pad = bucket - n
         b["ids"][:n] = ids
