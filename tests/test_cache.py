@@ -348,3 +348,27 @@ def test_a_long_context_extends_the_bf16_drafter_in_float32_where_bf16_is_emulat
             for i, (k, v) in enumerate(want):
                 assert cache.k[i].dtype == torch.bfloat16
                 assert torch.equal(cache.k[i], k) and torch.equal(cache.v[i], v), (rows, pays, i)
+
+
+def test_hf_backend_passes_the_cache_under_the_name_the_decoder_takes(monkeypatch):
+    """transformers before 5.24 calls the decoder's cache argument `past_key_values`; passed as `cache`
+    it would vanish into **kwargs and every step after the prefill would run without its context."""
+    target = tiny_target("llama").set_backend("hf")
+    decoder = target.model.get_decoder()
+    new_style = decoder.forward
+
+    def old_style(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                  inputs_embeds=None, use_cache=None, **kwargs):
+        return new_style(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+
+    monkeypatch.setattr(decoder, "forward", old_style)
+    target._runners.clear()
+    target.set_backend("hf")
+    seq = torch.arange(5, 25)
+    cache = target.new_cache(64)
+    target.forward(seq[:-1], torch.arange(len(seq) - 1), cache)
+    logits, _ = target.forward(seq[-1:], torch.tensor([len(seq) - 1]), cache)
+    assert cache.length == len(seq)
+    ref, _ = hf_reference(target, seq)
+    torch.testing.assert_close(logits[0].float(), ref[-1], atol=1e-4, rtol=1e-4)

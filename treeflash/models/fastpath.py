@@ -143,7 +143,7 @@ def stacked_attention(q, keys, values, mask=None, scale=None) -> torch.Tensor:
         mask = mask.expand(g, n, mask.shape[-1]).reshape(1, 1, g * n, -1)
     o = F.scaled_dot_product_attention(q.reshape(1, keys.shape[1], g * n, d), keys, values,
                                        attn_mask=mask, scale=scale)  # [1, Hkv, g*N, D]
-    return o.view(1, hq, n, d)
+    return o.reshape(1, hq, n, d)  # CUDA kernels may return a transposed layout
 
 
 def linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:

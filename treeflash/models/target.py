@@ -13,6 +13,8 @@ over a preallocated cache.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -51,6 +53,10 @@ class HFPath:
     def __init__(self, model, captured: dict[int, torch.Tensor]):
         self.model, self.decoder, self.captured = model, model.get_decoder(), captured
         self.dtype = next(model.parameters()).dtype
+        # transformers 5.24 names the cache argument `cache`, earlier releases `past_key_values`; an
+        # unknown name would be swallowed by **kwargs and every step would run without its context
+        params = inspect.signature(self.decoder.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def new_cache(self, need: int, max_length: int) -> HFCache:
         return HFCache(config=self.model.config)
@@ -68,7 +74,7 @@ class HFPath:
             attn = attn.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
         self.captured.clear()
         out = self.decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=attn,
-                           cache=cache, use_cache=True)
+                           use_cache=True, **{self.cache_arg: cache})
         feats = torch.cat([self.captured[i][0] for i in tap_ids], -1) if tap_ids else None
         return LazyLogits(out.last_hidden_state[0], self.model.get_output_embeddings()), feats
 
