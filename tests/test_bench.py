@@ -184,6 +184,29 @@ def test_bench_tree_size_auto_resolves_per_method(tmp_path, tiny_target, monkeyp
     assert 4 in sizes and all(isinstance(s, int) and 1 <= s <= 64 for s in sizes)
 
 
+def test_every_engine_arm_gets_the_time_split():
+    """Each of our methods (`options.METHODS`, the `+lookup` ones and `lookup` included) reports its
+    prefill/draft/tree/verify split; the peers, which do not time these phases, report none."""
+    from treeflash.bench.report import SPLIT, split_cell, summarize
+    from treeflash.bench.runner import Record
+    from treeflash.decoding.generate import Stats
+    from treeflash.options import METHODS
+
+    def record(method):
+        st = Stats(new_tokens=5, total_s=1.0, prefill_s=0.1, draft_s=0.2, tree_s=0.3, verify_s=0.4)
+        st.record(1, 4)
+        turn = {"stats": st.to_dict(), "copy_steps": [0], "token_ids": [1] * 5}
+        return Record("gsm8k", "0", method, 4, [turn], [st])
+
+    for method in (*METHODS, "hf-generate", "hf-prompt-lookup", "llama-cpp"):
+        row = summarize(("gsm8k", method, 4), [record(method)], {}, {})
+        if method in METHODS:
+            assert row["time_split_s"] == pytest.approx(dict(zip(SPLIT, (0.1, 0.2, 0.3, 0.4)))), method
+            assert split_cell(row) == "10/20/30/40", method
+        else:
+            assert row["time_split_s"] is None and split_cell(row) == "–", method
+
+
 def test_speedups_include_llama_cpp_when_it_ran():
     from treeflash.bench.report import add_speedups
 

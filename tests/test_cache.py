@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from treeflash.decoding.trees import marginal_tree
-from treeflash.models.fastpath import LazyLogits
+from treeflash.models.lazy_logits import LazyLogits
 
 from conftest import tiny_drafter, tiny_target
 
@@ -109,12 +109,12 @@ def test_static_backend_rejects_unsupported_models_and_full_caches():
 def test_long_bf16_prefill_computes_in_float32(arch, monkeypatch):
     """The upcast prefill of a bf16 target (CPUs without AMX) is closer to the float32 model than
     the bf16-computed one, stores bf16 keys, and returns bf16 states and features."""
-    from treeflash.models import fastpath
+    from treeflash.models import attention, cpu
 
     ref_target = tiny_target(arch)
     ref_target.model.to(torch.bfloat16).float()  # the float32 model of the same (bf16) weights
     ref_target.set_taps([1, 2])
-    seq = torch.randint(0, 128, (fastpath.UPCAST_MIN_ROWS + 6,), generator=torch.Generator().manual_seed(3))
+    seq = torch.randint(0, 128, (cpu.UPCAST_MIN_ROWS + 6,), generator=torch.Generator().manual_seed(3))
     _, ref = ref_target.forward(seq, torch.arange(len(seq)), ref_target.new_cache(128))
     target = tiny_target(arch)
     target.model.to(torch.bfloat16)
@@ -130,10 +130,10 @@ def test_long_bf16_prefill_computes_in_float32(arch, monkeypatch):
     assert errs[True] < errs[False] / 2, errs
     # short sequences (decode steps) keep computing in bf16
     calls = []
-    monkeypatch.setattr(fastpath.F, "linear", lambda x, w, b=None: calls.append(x.dtype) or torch.matmul(x, w.T))
+    monkeypatch.setattr(attention.F, "linear", lambda x, w, b=None: calls.append(x.dtype) or torch.matmul(x, w.T))
     target.forward(seq[:3], torch.arange(len(seq), len(seq) + 3), cache)
     assert calls and set(calls) == {torch.bfloat16}  # no upcast
-    assert fastpath.upcast_pays(torch.float32, torch.device("cpu")) is False
+    assert cpu.upcast_pays(torch.float32, torch.device("cpu")) is False
 
 
 def test_bf16_attention_computes_in_float32_where_bf16_is_emulated(monkeypatch):
@@ -161,17 +161,17 @@ def test_bf16_attention_computes_in_float32_where_bf16_is_emulated(monkeypatch):
 
 def test_compiled_graphs_stay_with_their_own_instance():
     """Compiled steps guard only their arguments, not what they reach through `self`
-    (`fastpath.skip_guards_through_self`), so each compiled function keeps its own graphs
+    (`inductor.skip_guards_through_self`), so each compiled function keeps its own graphs
     (`compile_frozen`): two targets, then two drafters, of one architecture and dtype (the same code
     and argument shapes) each compute with their own frozen weights. Without the isolation the
     second instance silently runs the first one's graph."""
     from types import SimpleNamespace
 
-    from treeflash.models import fastpath
+    from treeflash.models import inductor
 
     names = ["self", "self.scaling", "self._modules['model']._parameters['weight']", "type(self).__mro__",
              "dict(type(self).__mro__[1].__dict__)", "cache", "cache.k[0]", "tap_ids", "G['self']", "self_x"]
-    kept = fastpath.skip_guards_through_self([SimpleNamespace(name=n) for n in names])
+    kept = inductor.skip_guards_through_self([SimpleNamespace(name=n) for n in names])
     assert kept == [False] * 5 + [True] * 5
     ids = torch.arange(5, 9)
     for seed in (0, 1):
@@ -248,11 +248,11 @@ def test_micro_gemm_table_keeps_the_4x24_block_off_multiples_of_4_rows():
     """The compiled-cpp backend edits inductor's AVX2 bf16 micro-kernel table: the 4 x 24 register
     block (it spills with 4 rows) stays the choice for 1-3 rows and is skipped for 4, 8, ... rows.
     The table is the same on every CPU, so this runs everywhere."""
-    from treeflash.models import fastpath
+    from treeflash.models import inductor
 
-    assert fastpath.compile_options(True)["max_autotune_gemm_backends"] == "CPP"  # applies the edit
-    assert fastpath.avoid_spilling_micro_gemm()
-    from torch._inductor.codegen import cpp_micro_gemm  # after inductor's own import order (fastpath)
+    assert inductor.compile_options(True)["max_autotune_gemm_backends"] == "CPP"  # applies the edit
+    assert inductor.avoid_spilling_micro_gemm()
+    from torch._inductor.codegen import cpp_micro_gemm  # after inductor's own import order (models/inductor.py)
     from torch._inductor.cpu_vec_isa import VecAVX2
 
     blocks = [c for configs in cpp_micro_gemm.micro_gemm_configs.values() for c in configs
@@ -329,7 +329,7 @@ def test_a_long_context_extends_the_bf16_drafter_in_float32_where_bf16_is_emulat
 
     from treeflash.models import drafter as drafter_mod
     from treeflash.models.drafter import DraftCache
-    from treeflash.models.fastpath import UPCAST_MIN_ROWS
+    from treeflash.models.cpu import UPCAST_MIN_ROWS
 
     d = tiny_drafter(tiny_target("llama")).to(torch.bfloat16)
     d32 = copy.deepcopy(d).float()

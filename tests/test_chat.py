@@ -26,7 +26,7 @@ def model_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(model_dirs):
     from treeflash.api import Engine
-    from treeflash.models.drafter_io import load_drafter
+    from treeflash.models.drafter import load_drafter
     from treeflash.models.target import Target
 
     return Engine(Target.load(str(model_dirs[0])), load_drafter(model_dirs[1]))

@@ -18,9 +18,8 @@ from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
 from treeflash.cli import main
 from treeflash.errors import TreeflashError
-from treeflash.models.drafter import DraftCache, Drafter
+from treeflash.models.drafter import DraftCache, Drafter, load_drafter
 from treeflash.models.drafter_config import QWEN3_DEFAULTS, DrafterConfig, check_fits, default_target_layer_ids
-from treeflash.models.drafter_io import load_drafter
 from treeflash.models.target import Target
 
 H, NH, NKV, HD, INTER = 64, 4, 2, 32, 96  # head_dim 32 != H / NH on purpose
@@ -442,7 +441,8 @@ def test_draft_vocabulary_round_trips_restricts_proposals_and_rejects_bad_files(
     from treeflash.decoding.proposers import TreeParams, make_proposer
     from treeflash.errors import TreeflashError
     from treeflash.models.drafter import DraftCache
-    from treeflash.models.drafter_io import DRAFT_VOCAB_NAME, load_drafter
+    from treeflash.models.drafter import load_drafter
+    from treeflash.models.drafter_io import DRAFT_VOCAB_NAME
     from conftest import run, tiny_drafter, tiny_target, vanilla
 
     target = tiny_target("llama", logit_scale=3.0)
@@ -541,7 +541,8 @@ def test_engine_layout_exports_hold_only_the_model_and_are_world_readable(tmp_pa
     import os
     import stat
 
-    from treeflash.models.drafter_io import DRAFT_VOCAB_NAME, load_drafter
+    from treeflash.models.drafter import load_drafter
+    from treeflash.models.drafter_io import DRAFT_VOCAB_NAME
     from conftest import tiny_drafter, tiny_target
 
     d = tiny_drafter(tiny_target("llama"))

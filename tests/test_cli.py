@@ -132,5 +132,51 @@ def test_a_command_loads_only_its_own_module():
     assert gen.returncode == 0 and "treeflash.cli_generate" in loaded
     for heavy in ("treeflash.training", "treeflash.bench", "treeflash.serve"):
         assert heavy not in loaded, heavy
-    everything = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
-    assert all(m in everything for m in ("treeflash.training.cli", "treeflash.bench.cli", "treeflash.serve.cli"))
+    bare = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 0
+    for heavy in ("treeflash.training", "treeflash.bench", "treeflash.serve"):  # listed from `cli.COMMANDS`
+        assert heavy not in bare.stdout, heavy
+
+
+HELP_CHECK = """
+import contextlib, io, json, sys
+from treeflash.cli import COMMANDS, main
+
+heavy = ("torch", "transformers")
+report = {}
+for argv in [["--help"]] + [[name, "--help"] for name in COMMANDS]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main(argv)
+        except SystemExit as e:
+            code = e.code
+    report[" ".join(argv)] = {"code": code, "usage": out.getvalue().startswith("usage: treeflash"),
+                              "heavy": [m for m in heavy if m in sys.modules]}
+print(json.dumps(report))
+"""
+
+
+def test_help_answers_without_torch_or_transformers():
+    """`treeflash --help` and `treeflash CMD --help` of every command answer without importing torch or
+    transformers (each command's `register` is light; the top level lists commands from a table)."""
+    from treeflash.cli import COMMANDS
+
+    r = subprocess.run([sys.executable, "-c", HELP_CHECK], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert set(report) == {"--help"} | {f"{name} --help" for name in COMMANDS}
+    for argv, got in report.items():  # the first command that loads a heavy module is named
+        assert got == {"code": 0, "usage": True, "heavy": []}, (argv, got)
+
+
+def test_the_command_table_matches_each_commands_own_help():
+    """`treeflash --help` lists each command with the line its module registers."""
+    import argparse
+
+    from treeflash.cli import COMMANDS, build_parser
+
+    for name, (_, line) in COMMANDS.items():
+        sub = next(a for a in build_parser([name])._actions if isinstance(a, argparse._SubParsersAction))
+        helps = {c.dest: c.help for c in sub._choices_actions}
+        assert helps[name] == line, name

@@ -82,3 +82,23 @@ def test_bad_tree_size_is_a_clear_cli_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "hi", "--tree-size", "big"])
     assert e.value.code == 2 and "expected a number or 'auto'" in capsys.readouterr().err
+
+
+def test_auto_tree_size_is_calibrated_once_per_machine(tmp_path, monkeypatch):
+    """A later process (a new engine over the same model and drafter) reads the saved calibration
+    instead of decoding the calibration prompts again; another drafter calibrates anew."""
+    monkeypatch.setattr(costmodel, "CACHE_FILE", tmp_path / "costs.json")
+    target = tiny_target("qwen2").set_backend("static")
+    target.tokenizer.chat_template = None
+    monkeypatch.setattr(type(target), "encode", lambda self, prompt, chat=True: PROMPT)
+    drafter = tiny_drafter(target)
+    first = Engine(target, drafter).auto_tree_size(method="treeflash", top_m=3, top_k=3, max_budget=12, tokens=8)
+
+    calls = []
+    real = Engine.tokens
+    monkeypatch.setattr(Engine, "tokens", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    again = Engine(target, drafter).auto_tree_size(method="treeflash", top_m=3, top_k=3, max_budget=12, tokens=8)
+    assert not calls and (again.budget, again.expected_tau) == (first.budget, first.expected_tau)
+    Engine(target, tiny_drafter(target, seed=5)).auto_tree_size(method="treeflash", top_m=3, top_k=3,
+                                                                max_budget=12, tokens=8)
+    assert calls  # other weights: calibrated again

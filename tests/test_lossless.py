@@ -169,7 +169,7 @@ def test_compiled_cpp_backend_is_lossless_and_uses_the_cpp_gemm():
     tree sizes 1 and 3 (bucket 4 with a padded row), against HF plain greedy decoding."""
     from torch._inductor.utils import run_and_get_code
 
-    from treeflash.models.fastpath import cpp_gemm_supported
+    from treeflash.models.inductor import cpp_gemm_supported
 
     if not cpp_gemm_supported():
         pytest.skip("the C++ GEMM template needs an x86 CPU with AVX2 or AVX-512")
@@ -193,7 +193,7 @@ def test_compiled_cpp_backend_refuses_a_cpu_without_it(monkeypatch):
     from treeflash.errors import TreeflashError
     from treeflash.models import fastpath
 
-    monkeypatch.setattr(fastpath, "cpp_gemm_supported", lambda: False)
+    monkeypatch.setattr(fastpath, "cpp_gemm_supported", lambda: False)  # where FastPath looks it up
     with pytest.raises(TreeflashError, match="compiled-cpp needs an x86 CPU"):
         tiny_target("llama").set_backend("compiled-cpp")
 

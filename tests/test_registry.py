@@ -14,10 +14,9 @@ def converted_copy(parent: Path, name: str, tag: str) -> Path:
 
 
 def test_concurrent_conversions_leave_one_complete_copy(tmp_path):
-    """Eight writers publish at once, over and over, onto an incomplete leftover (session 20: two
-    feature jobs raced on one temporary directory and one died with a traceback; session 25: a
-    writer deleting the leftover in place made another's rename fail with ENOTEMPTY). Every writer
-    returns, and the cache holds one writer's files."""
+    """Eight writers publish at once, over and over, onto an incomplete leftover: no two may share a
+    temporary directory, and a writer must not delete the leftover in place while another renames
+    onto it (ENOTEMPTY). Every writer returns, and the cache holds one writer's files."""
     for rnd in range(20):
         out = tmp_path / f"smollm2-135m-{rnd}"
         out.mkdir()

@@ -111,8 +111,7 @@ def model_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dirs, tmp_path_factory):
     logs = tmp_path_factory.mktemp("serve-log")
-    srv = Server(*model_dirs, log=logs / "server.log", extra=["--hold-file", str(logs / "hold")])
-    srv.hold = logs / "hold"  # while it exists, a generation that has sent text pauses after each token
+    srv = Server(*model_dirs, log=logs / "server.log")
     try:
         srv.wait_ready()
         yield srv
@@ -124,11 +123,72 @@ def server(model_dirs, tmp_path_factory):
 def engine(model_dirs):
     """The same target and drafter, in-process: the reference for greedy answers."""
     from treeflash.api import Engine
-    from treeflash.models.drafter_io import load_drafter
+    from treeflash.models.drafter import load_drafter
     from treeflash.models.target import Target
 
     target_dir, drafter_dir = model_dirs
     return Engine(Target.load(str(target_dir)), load_drafter(drafter_dir))
+
+
+class HeldEngine:
+    """An engine whose generations the test can hold: while `hold` is set, a generation that has
+    sent text waits before its next token until its client leaves (the worker cancels its job).
+    Queueing and disconnects are then tested deterministically, whatever the machine's speed."""
+
+    def __init__(self, engine):
+        self.engine, self.hold, self.worker, self.text = engine, threading.Event(), None, None
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def assembler(self, cfg):
+        self.text = self.engine.assembler(cfg)  # the worker's assembler: `sent` is what the client got
+        return self.text
+
+    def tokens(self, *args, **kw):
+        inner = self.engine.tokens(*args, **kw)
+        try:
+            for tok in inner:
+                yield tok
+                job = self.worker.current
+                while self.hold.is_set() and self.text.sent and not job.cancelled.is_set():
+                    time.sleep(0.01)
+        finally:
+            inner.close()
+
+
+@pytest.fixture(scope="module")
+def held_server(model_dirs):
+    """The server app in this process (uvicorn on a thread) over a `HeldEngine`; `.hold` holds it."""
+    import types
+
+    import uvicorn
+
+    from treeflash.api import Engine
+    from treeflash.config import GenerationConfig
+    from treeflash.models.drafter import load_drafter
+    from treeflash.models.target import Target
+    from treeflash.serve.app import create_app
+    from treeflash.serve.worker import ServeConfig
+
+    target_dir, drafter_dir = model_dirs
+    engine = HeldEngine(Engine(Target.load(str(target_dir)), load_drafter(drafter_dir)))
+    gen = GenerationConfig(method="treeflash", tree_size=8, top_m=2, top_k=2, max_new_tokens=DEFAULT_MAX_TOKENS)
+    app = create_app(engine, ServeConfig(model_name="tiny", generation=gen, max_tokens_limit=MAX_TOKENS_LIMIT,
+                                         api_key=API_KEY))
+    engine.worker = app.state.worker
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=srv.run, name="held-server", daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: srv.started or not thread.is_alive(), "the in-process server to start", timeout=60)
+        assert srv.started, "the in-process server did not start"
+        yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", hold=engine.hold)
+    finally:
+        engine.hold.clear()
+        srv.should_exit = True
+        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -300,15 +360,16 @@ def load(server) -> dict:
     return httpx.get(server.url + "/health", timeout=10).json()
 
 
-def test_queue_is_first_in_first_out(server):
-    """A is held (--hold-file) after its first text until B and C are both queued behind it."""
+def test_queue_is_first_in_first_out(held_server):
+    """A is held after its first text until B and C are both queued behind it."""
+    server = held_server
     done: list[str] = []
 
     def ask(name: str, n: int) -> None:
         r = post(server, "/v1/chat/completions", {"messages": user(f"request {name}"), "max_tokens": n})
         done.append(name if r.status_code == 200 else f"{name}:{r.status_code}")
 
-    server.hold.touch()
+    server.hold.set()
     threads = []
     try:
         threads.append(threading.Thread(target=ask, args=("A", MAX_TOKENS_LIMIT)))
@@ -320,7 +381,7 @@ def test_queue_is_first_in_first_out(server):
             wait_until(lambda: load(server)["waiting"] == n_waiting, f"{name} to be queued")
         assert load(server)["running"] == 1 and done == [], "A finished while held"
     finally:
-        server.hold.unlink(missing_ok=True)
+        server.hold.clear()
     for t in threads:
         t.join(timeout=300)
     assert done == ["A", "B", "C"]
@@ -336,12 +397,15 @@ def _wait_for_abort(server, before: float, timeout: float = 30) -> float:
     return metric(server, "vllm:request_success_total", finished_reason="abort")
 
 
-def test_client_abort_mid_stream_stops_generation(server, client):
+def test_client_abort_mid_stream_stops_generation(held_server):
+    """The generation is held after its first text; the client leaves mid-stream and the worker
+    stops it (an abort, fewer tokens than asked), then serves the next request."""
+    server = held_server
     aborts = metric(server, "vllm:request_success_total", finished_reason="abort")
     tokens_before = metric(server, "vllm:generation_tokens_total")
     body = {"model": "tiny", "messages": user(PROMPTS[0]), "max_tokens": MAX_TOKENS_LIMIT, "stream": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    server.hold.touch()  # the generation pauses after its first text: the client leaves mid-stream
+    server.hold.set()  # the generation pauses after its first text: the client leaves mid-stream
     try:
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers,
                           timeout=60) as r:
@@ -350,27 +414,28 @@ def test_client_abort_mid_stream_stops_generation(server, client):
             assert json.loads(first[6:])["choices"][0]["delta"]
         assert _wait_for_abort(server, aborts) == aborts + 1, "the aborted generation was not stopped"
     finally:
-        server.hold.unlink(missing_ok=True)
+        server.hold.clear()
     assert metric(server, "vllm:generation_tokens_total") - tokens_before < MAX_TOKENS_LIMIT
-    r = client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=3, temperature=0)
-    assert r.choices[0].message.content is not None
+    r = post(server, "/v1/chat/completions", {"messages": user("hi"), "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
     assert httpx.get(server.url + "/health", timeout=10).json()["running"] == 0
 
 
-def test_client_timeout_on_non_streamed_request_frees_worker(server, client):
-    """The request is held (--hold-file) until its client times out: the generation ends as an
-    abort and the worker serves the next request."""
+def test_client_timeout_on_non_streamed_request_frees_worker(held_server):
+    """The request is held after its first text until its client times out: the generation ends as
+    an abort and the worker serves the next request."""
+    server = held_server
     aborts = metric(server, "vllm:request_success_total", finished_reason="abort")
     body = {"model": "tiny", "messages": user(PROMPTS[1]), "max_tokens": MAX_TOKENS_LIMIT}
-    server.hold.touch()
+    server.hold.set()
     try:
         with pytest.raises(httpx.TimeoutException):
             post(server, "/v1/chat/completions", body, timeout=0.5)
         assert _wait_for_abort(server, aborts) == aborts + 1, "the timed-out generation was not stopped"
     finally:
-        server.hold.unlink(missing_ok=True)
-    r = client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=3)
-    assert r.choices[0].message.content is not None
+        server.hold.clear()
+    r = post(server, "/v1/chat/completions", {"messages": user("hi"), "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
 
 
 # ---------------------------------------------------------------- bad input

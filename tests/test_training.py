@@ -15,8 +15,7 @@ from treeflash.errors import TreeflashError
 from treeflash.models.drafter_config import default_target_layer_ids
 from treeflash.models.target import Target
 from treeflash.training import features as F
-from treeflash.training.objective import (IGNORE, block_inputs, block_lengths, block_mask,
-                                          dense_reference_mask, sample_anchors)
+from treeflash.training.objective import IGNORE, block_inputs, block_mask, dense_reference_mask, sample_anchors
 from treeflash.training.trainer import TrainConfig, Trainer, export
 
 VOCAB = 64
@@ -93,18 +92,6 @@ def test_mask_matches_dense_reference():
         assert not m[qi, a:40].any() and m[qi, :a].all()
 
 
-def test_short_block_mask_matches_dense_reference_and_lengths_are_deterministic():
-    anchors = torch.tensor([5, 9, 20, 31, 33])
-    lengths = block_lengths(anchors, 6, short_frac=0.6)
-    assert torch.equal(lengths, block_lengths(anchors, 6, short_frac=0.6))  # resume / ranks draw the same
-    assert ((lengths >= 2) & (lengths <= 6)).all()
-    assert block_lengths(anchors, 6, 0.0).tolist() == [6] * 5
-    many = block_lengths(torch.arange(10, 410), 6, short_frac=1.0)
-    assert sorted(set(many.tolist())) == [2, 3, 4, 5]  # every short length, never the full block
-    fixed = torch.tensor([2, 6, 3, 5, 4])
-    assert torch.equal(block_mask(anchors, 40, 6, fixed), dense_reference_mask(anchors.tolist(), 40, 6, fixed.tolist()))
-
-
 def test_block_inputs_labels_and_prev():
     ids = torch.arange(100, 120)
     tokens, pos, labels, prev = block_inputs(ids, torch.tensor([3, 17]), 4, mask_token_id=7)
@@ -112,36 +99,6 @@ def test_block_inputs_labels_and_prev():
     assert pos.tolist() == [3, 4, 5, 6, 17, 18, 19, 20]
     assert labels.tolist() == [IGNORE, 104, 105, 106, IGNORE, 118, 119, IGNORE]  # 20 is past the end
     assert prev.tolist()[1:4] == [103, 104, 105]
-
-
-def test_block_inputs_cut_short_blocks():
-    ids = torch.arange(100, 120)
-    _, _, labels, _ = block_inputs(ids, torch.tensor([3, 10]), 4, mask_token_id=7, lengths=torch.tensor([2, 4]))
-    assert labels.tolist() == [IGNORE, 104, IGNORE, IGNORE, IGNORE, 111, 112, 113]
-
-
-def test_a_short_training_block_is_the_engines_short_block_pass():
-    """Rows of a block cut to L in training (block_mask with lengths, all blocks in one call) equal, in
-    float64 to 1e-12, the engine's L-row block pass (`--block-len L`: no mask, only the anchor's
-    prefix in the cache); with full-block training masks they do not."""
-    from conftest import tiny_drafter, tiny_target
-
-    d = tiny_drafter(tiny_target("llama"), block_size=6).double()
-    gen = torch.Generator().manual_seed(0)
-    T, B = 30, 6
-    feats = torch.randn(T, d.model.fc.in_features, dtype=torch.float64, generator=gen)
-    kv = d.context_kv(feats, torch.arange(T))
-    anchors, lengths = torch.tensor([7, 15, 22]), torch.tensor([3, 6, 2])
-    emb = torch.randn(3 * B, d.config.hidden_size, dtype=torch.float64, generator=gen)
-    pos = (anchors[:, None] + torch.arange(B)).reshape(-1)
-    cut = d.forward_block(emb, pos, kv, block_mask(anchors, T, B, lengths))
-    full = d.forward_block(emb, pos, kv, block_mask(anchors, T, B))
-    for j, (a, L) in enumerate(zip(anchors.tolist(), lengths.tolist())):
-        rows = slice(j * B, j * B + L)
-        engine = d.forward_block(emb[rows], pos[rows], [(k[:, :a], v[:, :a]) for k, v in kv])
-        assert (cut[rows] - engine).abs().max().item() < 1e-12, (j, L)
-        if L < B:
-            assert (full[rows] - engine).abs().max().item() > 1e-6, (j, L)
 
 
 def test_objective_ignores_other_blocks(env):
@@ -180,22 +137,11 @@ def test_features_then_training_loss_decreases(env):
     assert json.loads(meta["layer_ids"]) == default_target_layer_ids(4, 2) == [1, 1]  # a 4-layer target
 
 
-def test_short_block_training_scores_only_the_kept_rows(env):
-    """--short-blocks 1: every block is cut to 2..B-1 rows; only those rows carry loss, the global
-    weight sum counts the same rows, and validation (and its gamma) stays on full blocks."""
+def test_gamma_weighs_training_and_validation_keeps_the_default(env):
+    """--gamma sets the training loss's position decay; validation weighs with the default one."""
     from treeflash.training.objective import default_gamma, position_weights
-    from treeflash.training.trainer import local_weight
 
-    tr = Trainer(config(env, "short", short_blocks=1.0, gamma=2.0), env["target"])
-    s = tr.store.get(0)
-    T = s["ids"].numel()
-    a = torch.arange(s["prompt_len"], T - 1, 3)
-    lengths = tr.obj.block_lengths(a)
-    out = tr.obj(s["feats"].float(), s["ids"], a)
-    want = [sum(1 for j, L in zip(a.tolist(), lengths.tolist()) if 1 <= k < L and j + k < T) for k in range(4)]
-    assert out["count"].tolist() == want and want[3] == 0 and want[1] > 0
-    assert float(out["weight"]) == pytest.approx(local_weight(tr.obj, s, a), rel=1e-6)
-    assert tr.val_obj.block_lengths(a) is None
+    tr = Trainer(config(env, "gamma", gamma=2.0), env["target"])
     assert torch.equal(tr.obj.pos_w, position_weights(4, 2.0))
     assert torch.equal(tr.val_obj.pos_w, position_weights(4, default_gamma(4)))
 
@@ -218,6 +164,27 @@ def test_kill_and_resume_reproduces_next_loss(env):
         assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), k
 
 
+def test_resume_checks_options_of_earlier_versions(env, capsys):
+    """A checkpoint whose state.json records a removed option at its off value resumes; one that used
+    it is a clear error, not a silent change of training; unknown keys are dropped with a warning."""
+    from treeflash.training.trainer import REMOVED_OPTIONS
+
+    old = config(env, "old-opts", max_minutes=1e-9)  # one step, then a checkpoint
+    Trainer(old, env["target"]).fit()
+    path = Path(old.out) / "last" / "state.json"
+    st = json.loads(path.read_text())
+    path.write_text(json.dumps({**st, "config": {**st["config"], **REMOVED_OPTIONS}}))
+    assert Trainer(config(env, "old-opts", steps=2), env["target"], resume=True).fit()["step"] == 2
+    for key, used in (("grow_layers", 2), ("short_blocks", 0.5)):
+        st = json.loads(path.read_text())
+        path.write_text(json.dumps({**st, "config": {**st["config"], **REMOVED_OPTIONS, key: used}}))
+        with pytest.raises(TreeflashError, match=f"--{key.replace('_', '-')} {used}, which this version no longer has"):
+            Trainer(config(env, "old-opts", steps=3), env["target"], resume=True)
+    cfg = TrainConfig.from_dict({**st["config"], "grow_layers": 1})
+    assert cfg.block_size == 4 and not hasattr(cfg, "grow_layers")
+    assert "ignoring unknown training options grow_layers, short_blocks" in capsys.readouterr().err
+
+
 def test_treeflash_freeze_body_trains_only_ar(env):
     base = config(env, "dflash", treeflash=False, steps=6)
     Trainer(base, env["target"]).fit()
@@ -235,7 +202,7 @@ def test_export_loads_in_engine(env, tmp_path):
     Trainer(cfg, env["target"]).fit()
     out = export(Path(cfg.out) / "last", tmp_path / "drafter", env["target"])
     from treeflash import api
-    from treeflash.models.drafter_io import load_drafter
+    from treeflash.models.drafter import load_drafter
 
     d = load_drafter(out)
     assert next(iter(d.state_dict().values())).dtype == torch.float32  # loaded as requested
@@ -291,11 +258,11 @@ def test_torchrun_two_ranks_matches_one_process(env):
     two = env["root"] / "ddp-2"
     subprocess.run([sys.executable, "-m", "treeflash.cli", *args, "--out", str(one)], check=True, env=envv,
                    capture_output=True, timeout=300)
-    # A rank of this 2-process gloo run died by a signal (SIGABRT) twice in full-suite runs, and once
-    # (CI, session 9) a launch hung past 300 s; it takes ~20 s. Every address is loopback (no hostname
-    # lookups), a stuck collective fails after 60 s, a stuck launch is stopped after 150 s, and a
-    # second launch tells such a launch failure from a real one, whose every attempt fails (each
-    # attempt's launcher and rank stderr are shown).
+    # A rank of this 2-process gloo run can die by a signal (SIGABRT), and a launch can hang past
+    # 300 s; it takes ~20 s. Every address is loopback (no hostname lookups), a stuck collective
+    # fails after 60 s, a stuck launch is stopped after 150 s, and a second launch tells such a
+    # launch failure from a real one, whose every attempt fails (each attempt's launcher and rank
+    # stderr are shown).
     envv = {**envv, "GLOO_SOCKET_IFNAME": "lo", "TREEFLASH_DIST_TIMEOUT_S": "60"}
     reports, ok = [], False
     for attempt in range(3):
@@ -326,7 +293,7 @@ def run_cli(*argv) -> subprocess.CompletedProcess:
 
 def test_bad_config_values(env):
     for kw in ({"block_size": 1}, {"lr": -1.0}, {"warmup": 1.5}, {"kl_weight": 2.0}, {"freeze_body": True},
-               {"short_blocks": 1.5}, {"short_blocks": -0.1}, {"gamma": -1.0}, {"gamma": float("nan")}):
+               {"gamma": -1.0}, {"gamma": float("nan")}):
         with pytest.raises(TreeflashError, match="bad config value"):
             config(env, "bad", **kw).check()
     r = run_cli("train", "fit", "--target", str(env["tdir"]), "--features", str(env["files"][0]),
@@ -448,35 +415,6 @@ def test_fine_tune_keeps_the_init_drafters_draft_vocab(env):
     assert torch.equal(recount.draft_vocab, fresh.draft_vocab)
 
 
-def test_grown_drafter_starts_as_the_trained_one():
-    """`--grow-layers`: the new top layers are the identity at first, so the block pass (hence every
-    draft) equals the original drafter's exactly; and the new layers do train."""
-    from conftest import tiny_drafter, tiny_target
-    from treeflash.api import Engine
-    from treeflash.training.trainer import grow
-
-    target = tiny_target("llama")
-    small = tiny_drafter(target)
-    big = grow(small, 2, target, seed=0)
-    assert len(big.model.layers) == len(small.model.layers) + 2
-    g = torch.Generator().manual_seed(0)
-    feats = torch.randn(10, big.model.fc.in_features, generator=g)  # [C, n_taps*H]
-    emb = torch.randn(4, big.config.hidden_size, generator=g)       # [Q, H]
-    pos, ctx = torch.arange(10, 14), torch.arange(10)
-    with torch.no_grad():
-        want = small.forward_block(emb, pos, small.context_kv(feats, ctx))
-        got = big.forward_block(emb, pos, big.context_kv(feats, ctx))
-    assert torch.equal(got, want)
-    kw = dict(method="treeflash", tree_size=6, top_m=3, top_k=3, max_new_tokens=16, ignore_eos=True)
-    prompt = list(range(3, 25))
-    a, b = Engine(target, small).generate(prompt, **kw), Engine(target, big).generate(prompt, **kw)
-    assert b.token_ids == a.token_ids and b.stats.acceptance_lengths == a.stats.acceptance_lengths
-    new = big.model.layers[-1]
-    assert new.mlp.up_proj.weight.abs().sum() > 0  # from the target's layers, not zeros
-    big.forward_block(emb, pos, big.context_kv(feats, ctx)).square().sum().backward()
-    assert new.self_attn.o_proj.weight.grad.abs().sum() > 0  # the zero projections get a gradient
-
-
 def test_tau_compares_drafters_in_one_run(tmp_path, capsys):
     """`train tau --drafter A,B`: both drafters on one target, interleaved, one labelled row each."""
     from treeflash.cli import main
@@ -503,33 +441,36 @@ def test_tau_compares_drafters_in_one_run(tmp_path, capsys):
     assert e.value.code == 2 and "block lengths must be 0" in capsys.readouterr().err
 
 
-def test_with_ar_and_grow_keep_the_draft_vocab():
-    """The drafters that `--init` turns into (a TreeFlash head added, layers grown) propose from the
-    same columns as the one loaded, so a fine-tune can keep its draft vocabulary."""
+def test_with_ar_keeps_the_draft_vocab():
+    """The drafter that `--init` turns into (a TreeFlash head added) proposes from the same columns
+    as the one loaded, so a fine-tune can keep its draft vocabulary."""
     from conftest import tiny_drafter, tiny_target
     from treeflash.models.drafter import Drafter
     from treeflash.models.drafter_config import DrafterConfig
-    from treeflash.training.trainer import grow, with_ar
+    from treeflash.training.trainer import with_ar
 
     target = tiny_target("llama")
     cfg = DrafterConfig.from_dict(tiny_drafter(target).config.to_dict())
     cfg.ar_approximation = None
     plain = Drafter(cfg).init_weights(0)
     plain.draft_vocab = torch.tensor([3, 5, 8, 13])
-    for new in (with_ar(plain, 0), grow(plain, 1, target, 0)):
-        assert new is not plain and torch.equal(new.draft_vocab, plain.draft_vocab)
+    new = with_ar(plain, 0)
+    assert new is not plain and torch.equal(new.draft_vocab, plain.draft_vocab)
 
 
-def test_tau_prompts_can_be_the_bench_prompts(capsys):
-    """`train tau --sets bench:NAME` measures on exactly the prompts `treeflash bench` samples."""
+def test_tau_prompts_are_the_bench_prompts(capsys):
+    """`train tau --sets NAME` measures on exactly the prompts `treeflash bench --datasets NAME`
+    samples, worded as it words them, under the bench's dataset names (`bench:NAME` still accepted)."""
     from treeflash.bench.datasets import humaneval_instruction, sample_prompts
     from treeflash.cli import main
     from treeflash.training.cli import load_prompts
 
-    bench = sample_prompts("humaneval", 3)
-    assert load_prompts("bench:humaneval", 3) == [s.turns for s in bench]
-    assert bench[0].turns[0] == humaneval_instruction(bench[0].meta["problem"]["prompt"])
-    assert load_prompts("humaneval", 1)[0][0].startswith("Complete the following Python function.\n\n")
-    assert main(["train", "tau", "--sets", "bench:nope"]) == 2
-    err = capsys.readouterr().err
-    assert "unknown dataset 'nope'" in err and err.count("\n") == 1
+    for name in ("humaneval", "mt-bench"):
+        bench = [s.turns for s in sample_prompts(name, 3)]
+        assert load_prompts(name, 3) == load_prompts(f"bench:{name}", 3) == bench
+    first = sample_prompts("humaneval", 1)[0]
+    assert load_prompts("humaneval", 1)[0][0] == humaneval_instruction(first.meta["problem"]["prompt"])
+    for bad in ("nope", "mtbench"):
+        assert main(["train", "tau", "--sets", bad]) == 2
+        err = capsys.readouterr().err
+        assert f"unknown dataset '{bad}'" in err and "mt-bench" in err and err.count("\n") == 1

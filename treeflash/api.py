@@ -11,12 +11,12 @@ import torch
 from .decoding.generate import Stats, decode
 from .config import GenerationConfig, is_compiled, uses_cpp_gemm
 from .decoding.proposers import make_proposer
-from .decoding.text import TextAssembler
+from .decoding.text import TextAssembler, pieces
 from .errors import TreeflashError
 from .models import registry
-from .models.drafter import Drafter
-from .models.drafter_config import DrafterConfig, check_fits
-from .models.drafter_io import load_drafter
+from .options import DEVICES
+from .models.drafter import Drafter, load_drafter, random_drafter  # noqa: F401 (random_drafter: part of the API)
+from .models.drafter_config import check_fits
 from .models.target import Target, parse_dtype
 
 
@@ -28,13 +28,6 @@ class Result:
 
     def to_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
-
-
-def random_drafter(target: Target, seed: int = 0, **kw) -> Drafter:
-    """A random-initialised drafter sized for `target` (for tests and checks)."""
-    cfg = DrafterConfig.for_target(target.config, mask_token_id=target.default_mask_token(), **kw)
-    cfg.vocab_size = target.vocab_rows
-    return Drafter(cfg).init_weights(seed).to(device=target.device, dtype=target.dtype).eval()
 
 
 # Calibration prompts for `tree_size="auto"` (not from any evaluation set).
@@ -120,7 +113,8 @@ class Engine:
         """The budget maximising expected tokens/s on this machine (`costmodel.best_budget`): the
         target's verify cost per tree size (measured once, cached on disk), and this drafter's
         acceptance of each best-first node, measured by a short calibration run at `max_budget`, and
-        its drafting cost, measured at `max_budget` and at 2. Memoised per engine and tree options."""
+        its drafting cost, measured at `max_budget` and at 2. Memoised per engine and tree options, and
+        saved on disk per machine, model, dtype, backend, threads and drafter (`costmodel.save_choice`)."""
         from .decoding import costmodel
 
         cfg = self.config(config, **overrides)
@@ -130,8 +124,13 @@ class Engine:
         if key in self.auto:
             return self.auto[key]
         method = cfg.method
+        disk_key = "|".join([costmodel.machine_key(self.target, 256), self._drafter_id(), repr(key[:-2]), str(max_budget)])
+        saved = costmodel.saved_choice(disk_key) if method != "vanilla" else None
         if method == "vanilla" or (self.drafter is None and method != "lookup"):
             choice = AutoChoice(method, 1, 0.0, 1.0, 0.0, {})
+        elif saved is not None:  # calibrated by an earlier process on this machine
+            choice = AutoChoice(method, saved["budget"], saved["expected_tokens_per_s"], saved["expected_tau"],
+                                saved["draft_s"], costmodel.measure(self.target))
         else:
             costs = costmodel.measure(self.target)  # with this drafter's taps: they are part of a forward
             calib = cfg.replace(temperature=0.0, stop=(), seed=None, ignore_eos=True)
@@ -155,27 +154,24 @@ class Engine:
             budget, rate = costmodel.best_budget(costs, node_accept, draft, range(2, max_budget + 1), sizes)
             choice = AutoChoice(method, budget, rate, costmodel.expected_tau(node_accept, budget),
                                 draft(budget) if budget > 1 else 0.0, costs)
+            costmodel.save_choice(disk_key, {"budget": budget, "expected_tokens_per_s": rate,
+                                             "expected_tau": choice.expected_tau, "draft_s": choice.draft_s})
         self.auto[key] = choice
         return choice
 
+    def _drafter_id(self) -> str:
+        """The drafter's weights' fingerprint (a cache key of the auto tree size), computed once."""
+        if not hasattr(self, "_drafter_fp"):
+            from .decoding import costmodel
+
+            self._drafter_fp = "none" if self.drafter is None else costmodel.fingerprint(self.drafter)
+        return self._drafter_fp
+
     def _pieces(self, prompt, cfg: GenerationConfig, chat: bool, stats: Stats | None,
                 text: TextAssembler, ids: list[int] | None = None) -> Iterator[str]:
-        """Text pieces of one generation; `ids` (if given) receives every token id, stop tokens too."""
-        tokens = self.tokens(prompt, cfg, chat=chat, stats=stats)
-        try:
-            for t in tokens:
-                if ids is not None:
-                    ids.append(t)
-                piece = text.add(t)
-                if piece:
-                    yield piece
-                if text.stopped:
-                    return
-        finally:
-            tokens.close()  # a stop string or an early close: stop decoding now
-        tail = text.flush()
-        if tail:
-            yield tail
+        """Text pieces of one generation (`decoding.text.pieces`); `ids` (if given) receives every
+        token id, stop tokens too."""
+        yield from pieces(self.tokens(prompt, cfg, chat=chat, stats=stats), text, ids)
 
     def assembler(self, cfg: GenerationConfig) -> TextAssembler:
         """Token ids -> text for `cfg` (its stop strings; the target's stop tokens hidden)."""
@@ -197,6 +193,18 @@ class Engine:
             pass
         return Result(text.final_text(), ids, stats)
 
+    def generate_batch(self, prompts: list, config: GenerationConfig | None = None, *, chat: bool = True,
+                       **overrides) -> list[Result]:
+        """`generate` for several prompts decoded together, one target forward per step for all
+        (`decoding/batch.py`; the static backend)."""
+        from .decoding.batch import BatchDecoder
+
+        cfg = self.config(config, **overrides)
+        dec = BatchDecoder(self.target, self.drafter)
+        seqs = [dec.add(ids, cfg, proposer=p) for ids, _, p in (self._prepare(x, cfg, chat) for x in prompts)]
+        texts = [self.assembler(cfg) for _ in seqs]
+        return [Result(t.final_text(), ids, st) for t, (ids, st) in zip(texts, dec.run(seqs, texts))]
+
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -206,8 +214,8 @@ def check_device(device: str | None) -> str:
     """"auto" / None -> the default device; "cuda" without a GPU is a clear error."""
     if device in (None, "auto"):
         return default_device()
-    if device not in ("cpu", "cuda"):
-        raise TreeflashError(f"unknown device {device!r}; choose auto, cpu or cuda")
+    if device not in DEVICES:
+        raise TreeflashError(f"unknown device {device!r}; choose {', '.join(DEVICES)}")
     if device == "cuda" and not torch.cuda.is_available():
         raise TreeflashError("--device cuda: torch sees no CUDA GPU here (use --device cpu or auto)")
     return device

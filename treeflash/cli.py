@@ -11,43 +11,64 @@ import json
 import os
 import sys
 
-from .config import BACKENDS
+from . import options
 from .errors import TreeflashError
 
-# subcommand -> the module whose `register(subparsers)` adds it. Only the module of the command
-# being run is imported (training, bench and serve code stay out of `treeflash generate`); a bare
-# `treeflash`, `--help` or an unknown command loads them all, to list every command.
+# subcommand -> (the module whose `register(subparsers)` adds it, its line in `treeflash --help`).
+# Only the module of the command being run is imported (training, bench and serve code stay out of
+# `treeflash generate`); a bare `treeflash`, `--help` or an unknown command lists them from this
+# table without importing any. A module's `register` imports nothing heavy (no torch, no
+# transformers: tests/test_cli.py checks), so `treeflash CMD --help` answers at once.
 COMMANDS = {
-    "generate": "treeflash.cli_generate",
-    "train": "treeflash.training.cli",
-    "data": "treeflash.training.cli_data",
-    "bench": "treeflash.bench.cli",
-    "serve": "treeflash.serve.cli",
-    "chat": "treeflash.serve.cli",
-    "export": "treeflash.models.export",
-    "profile": "treeflash.bench.profile",
-    "selftest": "treeflash.bench.selftest",
+    "generate": ("treeflash.cli_generate", "generate text with speculative decoding"),
+    "chat": ("treeflash.serve.cli", "chat in the terminal (streaming, multi-turn; /reset, /exit)"),
+    "serve": ("treeflash.serve.cli", "serve the OpenAI API (chat/completions, completions, models, metrics)"),
+    "bench": ("treeflash.bench.cli", "benchmark acceptance length and speed against peers"),
+    "profile": ("treeflash.bench.profile", "time the parts of a speculative step (target, drafter, tree, cache)"),
+    "selftest": ("treeflash.bench.selftest", "exactness on this device and a greedy bench, as one JSON report"),
+    "export": ("treeflash.cli_export", "write a drafter in the published DFlash / TreeFlash checkpoint layout"),
+    "data": ("treeflash.training.cli_data", "build drafter training data (prompts, regenerated responses)"),
+    "train": ("treeflash.training.cli", "train a DFlash/TreeFlash drafter (features, fit, export, tau)"),
 }
-SUBCOMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """What to load and where: options of every command that builds an engine."""
-    p.add_argument("--target", default="smollm2-135m",
-                   help="built-in name, Hugging Face repository id (org/name[@revision]), HF model directory or .gguf file")
-    p.add_argument("--drafter", default=None,
-                   help="drafter directory or repository id, 'random', or 'none' (default: the drafter shipped for the target)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+def add_target_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=options.DEFAULT_TARGET,
+                   help="built-in name, Hugging Face repository id (org/name[@revision]), HF model directory or "
+                        f".gguf file (default: {options.DEFAULT_TARGET})")
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", choices=options.DEVICES,
                    help="where the models run (auto: CUDA when torch sees a GPU, else the CPU)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bf16 where the CPU/GPU computes it natively (fast), else fp32 (exact tests use fp32)")
-    p.add_argument("--backend", default="auto", choices=BACKENDS,
+
+
+def add_dtype_arg(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    """--dtype with this command's default (exact checks and training use float32, speed runs bf16)."""
+    p.add_argument("--dtype", default=default, choices=options.DTYPES,
+                   help="auto: bf16 where the CPU/GPU computes it natively (fast), else fp32 (exact tests use "
+                        f"fp32) (default: {default})")
+
+
+def add_backend_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="auto", choices=options.BACKENDS,
                    help="target forward: static = lean path over a preallocated KV cache (Llama-family; "
                         "auto picks it where supported), compiled = the same under torch.compile "
                         "(first use compiles for ~30 s per tree size), compiled-cpp = compiled with every "
                         "matmul in inductor's C++ GEMM template (x86 CPUs; faster verify on CPUs without "
                         "AVX-512; first use compiles for minutes), hf = the model's own forward")
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+
+
+def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
+    """What to load and where: options of every command that builds an engine (dtype: this
+    command's default)."""
+    add_target_arg(p)
+    p.add_argument("--drafter", default=None,
+                   help="drafter directory or repository id, 'random', or 'none' (default: the drafter shipped for the target)")
+    add_device_arg(p)
+    add_dtype_arg(p, dtype)
+    add_backend_arg(p)
+    p.add_argument("--quantize", default="none", choices=options.QUANTIZE,
                    help="int8 / int4: weight-only quantized target on CPU (faster, but a different target: "
                         "its greedy output differs from the unquantized model's on some tokens)")
 
@@ -69,18 +90,16 @@ def load_engine(args, **kw):
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The parser for `argv` (default: every command): only the module of argv's command is loaded."""
+    """The parser for `argv` (default: every command): only the module of argv's command is loaded;
+    the other commands are listed from `COMMANDS`."""
     parser = argparse.ArgumentParser(prog="treeflash", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     command = next((a for a in argv or () if not a.startswith("-")), None)
-    for mod in [COMMANDS[command]] if command in COMMANDS else SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name and mod.startswith(e.name):
-                continue  # that subcommand group is not built yet
-            raise
-        module.register(sub)
+    if command in COMMANDS:
+        importlib.import_module(COMMANDS[command][0]).register(sub)  # may add its siblings (serve: chat)
+    for name, (_, help) in COMMANDS.items():
+        if name not in sub.choices:
+            sub.add_parser(name, help=help)  # listed only: its module loads when it is the command
     return parser
 
 

@@ -14,6 +14,9 @@ def register(sub) -> None:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the chat template (default on)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--compare", action="store_true",
+                   help="then decode the same prompt plainly (vanilla, same target, dtype and backend) and "
+                        "print both speeds and the speedup")
     p.set_defaults(func=run)
 
 
@@ -37,6 +40,29 @@ def check_prompt(prompt: str) -> None:
         raise TreeflashError("empty prompt")
 
 
+def summary(cfg, stats) -> str:
+    return (f"[{cfg.method}@{cfg.tree_size}] tau {stats.mean_acceptance_length:.2f} | {stats.new_tokens} tokens in "
+            f"{stats.total_s:.2f} s | {stats.tokens_per_second:.1f} tok/s | {stats.steps} steps")
+
+
+def compare(engine, args, cfg, stats) -> dict:
+    """Decode the same prompt plainly in this process and say how the two speeds compare."""
+    plain_cfg = cfg.replace(method="vanilla", tree_size=1)
+    plain = engine.generate(args.prompt, plain_cfg, chat=args.chat).stats
+    ratio = stats.tokens_per_second / max(plain.tokens_per_second, 1e-9)
+    print(summary(plain_cfg, plain), file=sys.stderr)
+    print(f"treeflash: {cfg.method} at tree size {cfg.tree_size} ran {ratio:.2f}x plain decoding "
+          f"({str(engine.target.dtype).removeprefix('torch.')}, {engine.target.backend} backend, {torch_threads()} threads, same process)",
+          file=sys.stderr)
+    return {"plain": plain.to_dict(), "speedup": round(ratio, 3)}
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def run(args) -> int:
     from .cli import load_engine, print_json
     from .decoding.generate import Stats
@@ -45,14 +71,18 @@ def run(args) -> int:
     engine = load_engine(args, quiet=args.method in ("vanilla", "lookup"))
     cfg = generation_config(engine, args)
     if args.json:
-        print_json(engine.generate(args.prompt, cfg, chat=args.chat).to_dict())
+        result = engine.generate(args.prompt, cfg, chat=args.chat)
+        out = result.to_dict()
+        if args.compare:
+            out["compare"] = compare(engine, args, cfg, result.stats)
+        print_json(out)
         return 0
     stats = Stats()
     for piece in engine.stream(args.prompt, cfg, chat=args.chat, stats=stats):
         sys.stdout.write(piece)
         sys.stdout.flush()
     print()
-    print(f"[{cfg.method}] tau {stats.mean_acceptance_length:.2f} | {stats.new_tokens} tokens in "
-          f"{stats.total_s:.2f} s | {stats.tokens_per_second:.1f} tok/s | {stats.steps} steps",
-          file=sys.stderr)
+    print(summary(cfg, stats), file=sys.stderr)
+    if args.compare:
+        compare(engine, args, cfg, stats)
     return 0

@@ -3,6 +3,8 @@
 The API (`Engine.generate(prompt, config)`), the CLI (`add_args` / `from_args`), the bench and the
 server (`serve/schemas.py: request_config`) all build this one object, so a new option is a new
 field here and reaches every entry point (tests/test_config.py walks the fields to prove it).
+Its shares for the sampler (`SamplingParams`) and the proposer (`TreeParams`) are checked here too;
+`decoding/` reads them. This module imports no torch and nothing of `decoding/` or `models/`.
 """
 from __future__ import annotations
 
@@ -11,9 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import TreeflashError
-
-# target forward paths (`models.target.Target.set_backend`)
-BACKENDS = ("auto", "hf", "static", "compiled", "compiled-cpp")
+from .options import METHODS
 
 
 def is_compiled(backend: str) -> bool:
@@ -54,12 +54,6 @@ def auto_stage2_vocab(budget: int) -> int:
     return min(256, max(64, 16 * budget))
 
 
-def _methods() -> tuple[str, ...]:
-    from .decoding.proposers import METHODS
-
-    return METHODS
-
-
 def _opt(default, help: str, **cli):
     """A field with its command-line help (and argparse extras: type, action, flag, ...)."""
     meta = {"help": help, **cli}
@@ -70,7 +64,7 @@ def _opt(default, help: str, **cli):
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    method: str = _opt("treeflash", "decoding method", choices=_methods)
+    method: str = _opt("treeflash", "decoding method", choices=METHODS)
     tree_size: int | str = _opt(
         8, "nodes verified per step, root included (default 8; docs/performance.md has the measured "
            "choice per machine); auto: the budget that maximises expected tokens/s here, from the "
@@ -107,8 +101,8 @@ class GenerationConfig:
 
     def check(self, vocab: int) -> "GenerationConfig":
         """Raise a one-line TreeflashError on any bad value (vocab: the target's vocabulary rows)."""
-        if self.method not in _methods():
-            raise TreeflashError(f"unknown method {self.method!r}; choose from {', '.join(_methods())}")
+        if self.method not in METHODS:
+            raise TreeflashError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
         if not _int_or_auto(self.tree_size):
             raise TreeflashError(f"tree size must be a number or 'auto', got {self.tree_size!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -124,15 +118,11 @@ class GenerationConfig:
             self.tree(vocab)
         return self
 
-    def sampling(self, vocab: int):
-        from .decoding.sampling import SamplingParams
-
+    def sampling(self, vocab: int) -> "SamplingParams":
         return SamplingParams(float(self.temperature), float(self.top_p), int(self.sampling_top_k)).check(vocab)
 
-    def tree(self, vocab: int, budget: int | None = None):
+    def tree(self, vocab: int, budget: int | None = None) -> "TreeParams":
         """The proposer's parameters (budget: the resolved tree size when it is "auto")."""
-        from .decoding.proposers import TreeParams
-
         size = self.tree_size if budget is None else budget
         cols = self.stage2_vocab if self.stage2_vocab == "auto" else int(self.stage2_vocab)
         return TreeParams(int(size), int(self.top_m), int(self.top_k), cols,
@@ -150,7 +140,7 @@ class GenerationConfig:
             default = defaults.get(f.name, f.default)
             kw = {"help": meta.pop("help") + ("" if suppress else f" (default: {default})")}
             if "choices" in meta:
-                kw["choices"] = meta.pop("choices")()
+                kw["choices"] = meta.pop("choices")
             if "action" in meta:
                 kw["action"] = meta.pop("action")
             elif "type" in meta:
@@ -173,3 +163,64 @@ class GenerationConfig:
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "stop": list(self.stop)}
+
+
+GREEDY_BELOW = 1e-5  # smaller temperatures overflow logits / T: greedy (as in vLLM)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The sampler's share of a `GenerationConfig` (its defaults are that config's; decoding/sampling.py)."""
+
+    temperature: float = GenerationConfig.temperature  # 0 = greedy (argmax)
+    top_p: float = GenerationConfig.top_p
+    top_k: int = GenerationConfig.sampling_top_k        # 0 = off
+
+    def check(self, vocab: int) -> "SamplingParams":
+        if not self.temperature >= 0:
+            raise TreeflashError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise TreeflashError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.top_k > vocab:
+            raise TreeflashError(f"sampling top-k must be in [0, {vocab}], got {self.top_k}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        """Temperatures below GREEDY_BELOW are greedy (as in vLLM): dividing by them overflows."""
+        return self.temperature < GREEDY_BELOW
+
+
+@dataclass(frozen=True)
+class TreeParams:
+    """The proposer's share of a `GenerationConfig` (its defaults are that config's)."""
+
+    budget: int = GenerationConfig.tree_size  # nodes verified per step, root included
+    top_m: int = GenerationConfig.top_m       # TreeFlash stage-1 candidates per position
+    top_k: int = GenerationConfig.top_k       # TreeFlash stage-2 children per candidate
+    # TreeFlash stage 2 scores only the position's top-`stage2_vocab` marginal tokens (0 = the whole
+    # vocabulary): the LM head over (B-1) x m rows is otherwise the dearest part of a step.
+    # "auto" becomes `auto_stage2_vocab(budget)` on construction.
+    stage2_vocab: int = GenerationConfig.stage2_vocab
+    # Propose only from the drafter's draft vocabulary when it has one (its LM head then runs over
+    # those rows; measured: see docs/performance.md). False: the whole vocabulary.
+    draft_vocab: bool = GenerationConfig.draft_vocab
+    # Rows of the drafter's block pass, root included (0: the budget; capped at the drafter's block).
+    block_len: int = GenerationConfig.block_len
+
+    def __post_init__(self):
+        if self.stage2_vocab == "auto":
+            object.__setattr__(self, "stage2_vocab", auto_stage2_vocab(self.budget))
+
+    def check(self, vocab: int) -> "TreeParams":
+        """Raise on a bad value; a stage-2 vocabulary wider than `vocab` becomes `vocab`."""
+        if self.budget < 1:
+            raise TreeflashError(f"tree size must be >= 1, got {self.budget}")
+        for name, v in (("top-m", self.top_m), ("top-k", self.top_k)):
+            if not 1 <= v <= vocab:
+                raise TreeflashError(f"{name} must be in [1, {vocab}] (the vocabulary size), got {v}")
+        if self.stage2_vocab and not self.top_k <= self.stage2_vocab:
+            raise TreeflashError(f"stage-2 vocabulary must be 0 or in [top-k, {vocab}], got {self.stage2_vocab}")
+        if not valid_block_len(self.block_len):
+            raise TreeflashError(f"block length must be 0 (the tree size) or >= 2, got {self.block_len!r}")
+        return dataclasses.replace(self, stage2_vocab=min(self.stage2_vocab, vocab))

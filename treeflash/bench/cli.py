@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import BACKENDS
-
 
 def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
@@ -21,9 +19,10 @@ def _sizes(value: str) -> list[int | str]:
 
 
 def register(sub) -> None:
+    from ..cli import add_model_args
     from ..config import GenerationConfig
+    from .arms import ALL_METHODS
     from .datasets import DATASETS
-    from .methods import ALL_METHODS
 
     p = sub.add_parser("bench", help="benchmark acceptance length and speed against peers",
                        description=__doc__.splitlines()[0])
@@ -38,15 +37,7 @@ def register(sub) -> None:
     # every generation option but the arm's own (method, tree size), the bench seed, and stop strings
     # and ignore_eos (the peers honour neither); absent options keep the preset's value (--quick: 32)
     GenerationConfig.add_args(p, exclude=("method", "tree_size", "seed", "stop", "ignore_eos"), suppress=True)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="target forward path for our methods (see treeflash generate --help)")
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
-                   help="int8 / int4: weight-only quantized target for our methods (compare with a run without it)")
-    p.add_argument("--target", default="smollm2-135m",
-                   help="built-in name, Hugging Face repository id (org/name[@revision]), HF model directory or .gguf file")
-    p.add_argument("--drafter", default=None, help="drafter directory or repository id, 'random', or default: the shipped one")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when torch sees a GPU")
+    add_model_args(p, dtype="bfloat16")  # the target (and backend, quantization) of our methods and the peers
     p.add_argument("--assistant", default=None, help="NAME|PATH of a smaller same-tokenizer model for hf-assisted")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling and sampling seed")
     p.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; the median time is kept")

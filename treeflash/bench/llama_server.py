@@ -23,9 +23,9 @@ from pathlib import Path
 from ..decoding.generate import Stats
 from ..errors import TreeflashError
 from ..models import llamacpp, registry
-from .methods import Generation, Method
+from .arms import Generation, Method
 
-PLAIN = ("llama-cpp-bf16",)  # the arms without a drafter (methods.LLAMA_SERVER_METHODS lists them all)
+PLAIN = ("llama-cpp-bf16",)  # the arms without a drafter (arms.LLAMA_SERVER_METHODS lists them all)
 
 
 def _free_port() -> int:

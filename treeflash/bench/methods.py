@@ -15,40 +15,17 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..config import GenerationConfig
 from ..decoding.generate import Stats
-from ..decoding.proposers import METHODS as ENGINE_METHODS
 from ..errors import TreeflashError
 from ..models import registry
+from .arms import ALL_METHODS, HF_METHODS, LLAMA_SERVER_METHODS, TREE_METHODS, Generation, Method  # noqa: F401
 
-TREE_METHODS = tuple(m for m in ENGINE_METHODS if m != "vanilla")  # use --tree-size
-HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted")
-LLAMA_SERVER_METHODS = ("llama-cpp-bf16", "llama-cpp-dflash", "llama-cpp-dflash-q4")  # bench/llama_server.py
-ALL_METHODS = ENGINE_METHODS + HF_METHODS + ("llama-cpp",) + LLAMA_SERVER_METHODS
 PROMPT_LOOKUP_TOKENS = 10  # HF's documented default suggestion for prompt lookup
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]
-    stats: Stats
-
-
-class Method:
-    name = "base"
-    tree_size: int | None = None
-
-    @property
-    def label(self) -> str:
-        return self.name if self.tree_size is None else f"{self.name}@{self.tree_size}"
-
-    def generate(self, prompt_ids: list[int], p: GenerationConfig) -> Generation:
-        raise NotImplementedError
 
 
 class EngineMethod(Method):

@@ -13,9 +13,10 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from ..options import METHODS
 from .humaneval_exec import check_completions, extract_completion
 
-SPLIT = ("prefill", "draft", "tree", "verify")
+SPLIT = ("prefill", "draft", "tree", "verify")  # the phases our engine times (every `options.METHODS` arm)
 PLAIN = ("vanilla", "hf-generate", "llama-cpp", "llama-cpp-bf16")  # one token per forward: no acceptance to show
 
 
@@ -58,7 +59,7 @@ def summarize(key: tuple, recs: list, vanilla: dict, passes: dict) -> dict:
         "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
         "total_s": total_s,
         "tokens_per_second": tokens / total_s if total_s > 0 else 0.0,
-        "time_split_s": split if method in ("vanilla", "chain", "marginal", "treeflash") else None,
+        "time_split_s": split if method in METHODS else None,  # the peers do not time these phases
         "speedup_vs_vanilla": None, "speedup_vs_hf_generate": None, "speedup_vs_llama_cpp": None,
         "identical_to_vanilla": sum(ident) / len(ident) if ident else None,
         **copy_split(recs),

@@ -19,11 +19,12 @@ from tqdm import tqdm
 from ..config import GenerationConfig, is_compiled
 from ..decoding.generate import Stats
 from ..decoding.lookup import copy_steps
-from ..decoding.proposers import DRAFTER_METHODS
 from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
+from ..options import DEFAULT_TARGET, DRAFTER_METHODS
 from .datasets import DATASETS, Sample, sample_prompts
-from .methods import ALL_METHODS, TREE_METHODS, Generation, Method, build_methods
+from .arms import ALL_METHODS, TREE_METHODS, Generation, Method
+from .methods import build_methods
 
 QUICK = dict(datasets=["humaneval", "gsm8k", "mt-bench"], num_prompts=2, generation=GenerationConfig(max_new_tokens=32),
              methods=["vanilla", "chain", "marginal", "treeflash", "hf-generate", "hf-prompt-lookup", "llama-cpp"],
@@ -42,7 +43,7 @@ class BenchConfig:
     dtype: str = "bfloat16"
     backend: str = "auto"  # the target forward path (Target.set_backend)
     quantize: str = "none"  # "int8" / "int4": weight-only quantized target (a different target; see models/quant.py)
-    target: str = "smollm2-135m"
+    target: str = DEFAULT_TARGET
     drafter: str | None = None
     device: str = "auto"  # auto: CUDA when torch sees a GPU
     assistant: str | None = None

@@ -17,7 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from ..options import DEFAULT_TARGET, DEVICES
+
+# torch and transformers are imported where they are used: `treeflash selftest --help` loads neither
 
 ARCHS = {  # name -> (config class, model class, extra config) in transformers
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -48,6 +50,7 @@ class NoTokenizer:
 
 
 def random_model(arch: str, seed: int, device="cpu", **cfg):
+    import torch
     import transformers
 
     cfg_name, model_name, extra = ARCHS[arch]
@@ -58,9 +61,11 @@ def random_model(arch: str, seed: int, device="cpu", **cfg):
 
 
 def tiny_target(arch: str = "llama", vocab: int = 128, layers: int = 4, seed: int = 0,
-                logit_scale: float = 1.0, max_pos: int = 512, device="cpu", dtype=torch.float32):
+                logit_scale: float = 1.0, max_pos: int = 512, device="cpu", dtype=None):
     """A random-weight 4-layer target of `arch` (hidden 64), its LM head scaled by `logit_scale`
-    (larger: peakier distributions, so greedy choices are far from ties)."""
+    (larger: peakier distributions, so greedy choices are far from ties); dtype: default float32."""
+    import torch
+
     from ..models.target import Target
 
     model = random_model(arch, seed, device, vocab_size=vocab, hidden_size=64, intermediate_size=128,
@@ -68,10 +73,12 @@ def tiny_target(arch: str = "llama", vocab: int = 128, layers: int = 4, seed: in
                          max_position_embeddings=max_pos, tie_word_embeddings=False)
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
-    return Target(model.to(dtype), NoTokenizer(vocab), name=f"tiny-{arch}")
+    return Target(model.to(dtype or torch.float32), NoTokenizer(vocab), name=f"tiny-{arch}")
 
 
 def greedy(target, method: str, drafter, prompt: list[int], n: int, budget: int):
+    import torch
+
     from ..decoding.generate import Stats, decode
     from ..decoding.proposers import TreeParams, make_proposer
     from ..decoding.sampling import SamplingParams
@@ -86,8 +93,10 @@ def greedy(target, method: str, drafter, prompt: list[int], n: int, budget: int)
 
 def exactness(device: str, budgets=(2, 8, 33), n: int = 48) -> list[dict]:
     """Rows {arch, dtype, method, budget, identical, tau}; fp32 rows must be identical."""
-    from ..api import random_drafter
-    from ..decoding.proposers import METHODS
+    import torch
+
+    from ..models.drafter import random_drafter
+    from ..options import METHODS
 
     prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 11, 12, 5, 6, 7]  # repeats: lookup branches get accepted
     rows = []
@@ -109,6 +118,8 @@ def exactness(device: str, budgets=(2, 8, 33), n: int = 48) -> list[dict]:
 
 def bench_target(name: str, device: str):
     """(engine, prompts as token ids, what was loaded)."""
+    import torch
+
     from .. import api
     from ..models.target import Target
 
@@ -121,7 +132,7 @@ def bench_target(name: str, device: str):
     model = random_model("llama", 0, device, **SMOLLM2_SHAPE).to(torch.bfloat16)
     target = Target(model, NoTokenizer(SMOLLM2_SHAPE["vocab_size"]), name="random-smollm2-shape")
     from ..models import registry
-    from ..models.drafter_io import load_drafter
+    from ..models.drafter import load_drafter
 
     drafter = load_drafter(registry.resolve_drafter("smollm2-135m-treeflash", "smollm2-135m"), dtype=torch.bfloat16)
     engine = api.Engine(target, drafter)
@@ -149,6 +160,8 @@ def bench(engine, prompts: list[list[int]], budgets, max_new: int = 128) -> list
 
 
 def run(args) -> int:
+    import torch
+
     from ..api import check_device
 
     device = check_device(args.device)
@@ -179,8 +192,8 @@ def run(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("selftest", help="exactness on this device and a greedy bench, as one JSON report")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--target", default="smollm2-135m", help="bench target (falls back to SmolLM2's shape)")
+    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument("--target", default=DEFAULT_TARGET, help="bench target (falls back to SmolLM2's shape)")
     p.add_argument("--budgets", default="16,64", help="comma list of tree sizes for the bench")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="bench-out/selftest.json")

@@ -90,6 +90,28 @@ def measure(target, sizes=SIZES, context: int = 256, repeats: int = 5, use_cache
     return costs
 
 
+def fingerprint(module) -> str:
+    """A short identity of a module's weights (shapes and a few sums), for cache keys."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for name, t in sorted(module.state_dict().items())[:64]:
+        h.update(f"{name}{tuple(t.shape)}{float(t.float().sum()):.6e}".encode())
+    return h.hexdigest()[:16]
+
+
+def saved_choice(key: str) -> dict | None:
+    """A `--tree-size auto` calibration saved under `key` (`save_choice`), or None."""
+    return _load().get("auto", {}).get(key)
+
+
+def save_choice(key: str, choice: dict) -> None:
+    """Keep a calibration for later processes on this machine (the cost table's file)."""
+    data = _load()
+    data.setdefault("auto", {})[key] = choice
+    _save(data)
+
+
 def _load() -> dict:
     try:
         return json.loads(CACHE_FILE.read_text())

@@ -196,7 +196,7 @@ class TablesGraph(nn.Module):
 
     def __init__(self, heads: DraftHeads, m: int, k: int, n_cols: int, depth: int, cpp_gemm: bool):
         super().__init__()
-        from ..models.fastpath import compile_frozen
+        from ..models.inductor import compile_frozen
 
         ar, drafter = heads.drafter.ar_approximation, heads.drafter
         self.m, self.k, self.n_cols, self.depth = m, k, n_cols, depth

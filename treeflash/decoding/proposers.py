@@ -6,57 +6,18 @@ the output) to NAME's tree under the same budget; `lookup` alone needs no drafte
 """
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass
 
 import torch
 
-from ..config import GenerationConfig, auto_stage2_vocab, valid_block_len
+from ..config import TreeParams  # the proposer's parameters (checked with the rest of a GenerationConfig)
 from ..errors import TreeflashError
 from ..models.drafter import DraftCache, Drafter
+from ..options import DRAFTER_METHODS, METHODS
 from .heads import DraftHeads
 from .lookup import Branches, LookupIndex, LookupParams, LookupScores
 from .trees import (Tree, TransitionTables, best_first, chain_transitions, marginal_transitions,
                     treeflash_transitions)
-
-DRAFTER_METHODS = ("chain", "marginal", "treeflash")
-METHODS = ("vanilla", *DRAFTER_METHODS, "lookup", *(f"{m}+lookup" for m in DRAFTER_METHODS))
-
-
-@dataclass(frozen=True)
-class TreeParams:
-    """The proposer's share of a `GenerationConfig` (its defaults are that config's)."""
-
-    budget: int = GenerationConfig.tree_size  # nodes verified per step, root included
-    top_m: int = GenerationConfig.top_m       # TreeFlash stage-1 candidates per position
-    top_k: int = GenerationConfig.top_k       # TreeFlash stage-2 children per candidate
-    # TreeFlash stage 2 scores only the position's top-`stage2_vocab` marginal tokens (0 = the whole
-    # vocabulary): the LM head over (B-1) x m rows is otherwise the dearest part of a step.
-    # "auto" becomes `auto_stage2_vocab(budget)` on construction.
-    stage2_vocab: int = GenerationConfig.stage2_vocab
-    # Propose only from the drafter's draft vocabulary when it has one (its LM head then runs over
-    # those rows; measured: see docs/performance.md). False: the whole vocabulary.
-    draft_vocab: bool = GenerationConfig.draft_vocab
-    # Rows of the drafter's block pass, root included (0: the budget; capped at the drafter's block).
-    block_len: int = GenerationConfig.block_len
-
-    def __post_init__(self):
-        if self.stage2_vocab == "auto":
-            object.__setattr__(self, "stage2_vocab", auto_stage2_vocab(self.budget))
-
-    def check(self, vocab: int) -> "TreeParams":
-        """Raise on a bad value; a stage-2 vocabulary wider than `vocab` becomes `vocab`."""
-        if self.budget < 1:
-            raise TreeflashError(f"tree size must be >= 1, got {self.budget}")
-        for name, v in (("top-m", self.top_m), ("top-k", self.top_k)):
-            if not 1 <= v <= vocab:
-                raise TreeflashError(f"{name} must be in [1, {vocab}] (the vocabulary size), got {v}")
-        if self.stage2_vocab and not self.top_k <= self.stage2_vocab:
-            raise TreeflashError(f"stage-2 vocabulary must be 0 or in [top-k, {vocab}], got {self.stage2_vocab}")
-        if not valid_block_len(self.block_len):
-            raise TreeflashError(f"block length must be 0 (the tree size) or >= 2, got {self.block_len!r}")
-        return dataclasses.replace(self, stage2_vocab=min(self.stage2_vocab, vocab))
 
 
 def root_only(root_token: int) -> Tree:

@@ -1,38 +1,9 @@
 """Temperature / top-k / top-p, shared by plain and speculative decoding (so both sample alike)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..config import GenerationConfig
-from ..errors import TreeflashError
-
-
-GREEDY_BELOW = 1e-5  # smaller temperatures overflow logits / T: greedy (as in vLLM)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """The sampler's share of a `GenerationConfig` (its defaults are that config's)."""
-
-    temperature: float = GenerationConfig.temperature  # 0 = greedy (argmax)
-    top_p: float = GenerationConfig.top_p
-    top_k: int = GenerationConfig.sampling_top_k        # 0 = off
-
-    def check(self, vocab: int) -> "SamplingParams":
-        if not self.temperature >= 0:
-            raise TreeflashError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise TreeflashError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0 or self.top_k > vocab:
-            raise TreeflashError(f"sampling top-k must be in [0, {vocab}], got {self.top_k}")
-        return self
-
-    @property
-    def greedy(self) -> bool:
-        """Temperatures below GREEDY_BELOW are greedy (as in vLLM): dividing by them overflows."""
-        return self.temperature < GREEDY_BELOW
+from ..config import GREEDY_BELOW, SamplingParams  # noqa: F401 (the sampler's parameters, checked with the config)
 
 
 def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

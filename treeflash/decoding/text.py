@@ -1,6 +1,34 @@
 """Token ids -> text, for streaming: stop tokens hidden, incomplete UTF-8 and possible stop-string
-starts held back. The engine's `stream`/`generate` and the server's worker share it."""
+starts held back. `pieces` is the one loop from a generation's tokens to its text: the engine's
+`stream`/`generate` and the server's worker all run it."""
 from __future__ import annotations
+
+from typing import Callable, Iterator
+
+
+def pieces(tokens: Iterator[int], text: "TextAssembler", ids: list[int] | None = None,
+           on_token: Callable[[int], bool] | None = None) -> Iterator[str]:
+    """Text pieces of the generation `tokens` (a generator, e.g. `Engine.tokens`), through `text`.
+    `ids` (if given) receives every token id, stop tokens too. `on_token(id)` (if given) runs as
+    each token arrives; False drops that token and ends the generation (the server: its client left).
+    Decoding stops (`tokens.close()`) at a stop string, at such an end, or when this generator is
+    closed; the held-back tail comes last."""
+    try:
+        for t in tokens:
+            if on_token is not None and not on_token(t):
+                break
+            if ids is not None:
+                ids.append(t)
+            piece = text.add(t)
+            if piece:
+                yield piece
+            if text.stopped:
+                return
+    finally:
+        tokens.close()  # a stop string, an early end or close: stop decoding now
+    tail = text.flush()
+    if tail:
+        yield tail
 
 
 class TextAssembler:

@@ -16,7 +16,7 @@ conditioned on a chosen previous token.
 
 Parameter names follow the published DFlash/TreeFlash drafters: `layers.N.*`, `fc`, `hidden_norm`,
 `norm` (under `model.`) and `ar_approximation.*`. The config is models/drafter_config.py; the
-checkpoint files are models/drafter_io.py.
+checkpoint files are read and written by models/drafter_io.py (`load_drafter`, `Drafter.save` here).
 """
 from __future__ import annotations
 
@@ -26,8 +26,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import drafter_io
+from .attention import linear, stacked_attention
+from .cpu import UPCAST_MIN_ROWS, upcast_pays
 from .drafter_config import DrafterConfig
-from .fastpath import UPCAST_MIN_ROWS, linear, stacked_attention, upcast_pays
 
 AR_NORM_EPS = 1e-6  # the published SwiGLU AR-approximation hard-codes its norm's eps
 
@@ -295,7 +297,7 @@ class Drafter(nn.Module):
         if not on or cpp_gemm != self._compiled_cpp:
             self._compiled_block = self._compiled_extend_block = None
         if on and self._compiled_block is None:
-            from .fastpath import compile_frozen
+            from .inductor import compile_frozen
 
             self._compiled_block = compile_frozen(self.forward_block, cpp_gemm, dynamic=True)
             # the decode loop's step: last step's accepted context + this block, one call
@@ -327,6 +329,26 @@ class Drafter(nn.Module):
     def save(self, out_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16,
              fmt: str | None = None) -> Path:
         """Write a checkpoint directory in the published layout `fmt`: see `drafter_io.save_drafter`."""
-        from .drafter_io import save_drafter  # drafter_io builds Drafters: imported on use
+        return drafter_io.save_drafter(self, out_dir, dtype, fmt)
 
-        return save_drafter(self, out_dir, dtype, fmt)
+
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> Drafter:
+    """Load a drafter directory: config.json + model.safetensors (or shards with an index), in the
+    published DFlash or TreeFlash layout, or ours (`drafter_io` reads and checks the files)."""
+    p = Path(path)
+    cfg = drafter_io.read_config(p)
+    sd = drafter_io.read_state_dict(p)
+    with torch.device("meta"):  # no random init: every tensor comes from the file
+        model = Drafter(cfg)
+    drafter_io.check_tensors(p, model, sd)
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True)
+    model.draft_vocab = drafter_io.read_draft_vocab(p, cfg.vocab_size)
+    return model.eval()
+
+
+def random_drafter(target, seed: int = 0, **kw) -> Drafter:
+    """A random-initialised drafter sized for `target` (a `models.target.Target`; for tests and
+    checks); `kw`: `DrafterConfig.for_target` options (num_layers, block_size, ...)."""
+    cfg = DrafterConfig.for_target(target.config, mask_token_id=target.default_mask_token(), **kw)
+    cfg.vocab_size = target.vocab_rows
+    return Drafter(cfg).init_weights(seed).to(device=target.device, dtype=target.dtype).eval()

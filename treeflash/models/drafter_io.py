@@ -3,18 +3,23 @@
 Tensor names follow the published drafters: `layers.N.*`, `fc`, `hidden_norm`, `norm` (under
 `model.` in TreeFlash checkpoints) and `ar_approximation.*` (see models/drafter_config.py for the
 two layouts, docs/checkpoints.md for what each engine reads). `treeflash export` (models/export.py)
-writes through `save_drafter`.
+writes through `save_drafter`; `drafter.load_drafter` reads through `read_config`, `read_state_dict`,
+`check_tensors` and `read_draft_vocab`. This module never builds a `Drafter` (it takes one to save or
+to check against), so it does not import models/drafter.py.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import TreeflashError
-from .drafter import Drafter
 from .drafter_config import DrafterConfig, check_format
+
+if TYPE_CHECKING:
+    from .drafter import Drafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -127,7 +132,8 @@ def _names(names: list[str], limit: int = 6) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def _check_tensors(p: Path, model: Drafter, sd: dict[str, torch.Tensor]) -> None:
+def check_tensors(p: Path, model: Drafter, sd: dict[str, torch.Tensor]) -> None:
+    """`sd` holds exactly `model`'s tensors, each of its shape (else a TreeflashError naming them)."""
     expected = model.state_dict()
     missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     if missing:
@@ -143,23 +149,19 @@ def _check_tensors(p: Path, model: Drafter, sd: dict[str, torch.Tensor]) -> None
                                  f"config.json implies {tuple(v.shape)}")
 
 
-def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32) -> Drafter:
-    """Load a drafter directory: config.json + model.safetensors (or shards with an index), in the
-    published DFlash or TreeFlash layout, or ours."""
-    p = Path(path)
+def read_config(p: Path) -> DrafterConfig:
+    """The config.json of a drafter directory."""
     if not p.is_dir():
         raise TreeflashError(f"drafter {p}: not a directory")
     cfg_file = p / CONFIG_NAME
     if not cfg_file.exists():
         raise TreeflashError(f"drafter {p}: missing {CONFIG_NAME}")
-    cfg = DrafterConfig.from_dict(_read_json(cfg_file, "drafter config"))
-    sd = _normalise_keys(read_weights(p))
-    with torch.device("meta"):  # no random init: every tensor comes from the file
-        model = Drafter(cfg)
-    _check_tensors(p, model, sd)
-    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True)
-    model.draft_vocab = read_draft_vocab(p, cfg.vocab_size)
-    return model.eval()
+    return DrafterConfig.from_dict(_read_json(cfg_file, "drafter config"))
+
+
+def read_state_dict(p: Path) -> dict[str, torch.Tensor]:
+    """A drafter directory's tensors under our names (either published layout)."""
+    return _normalise_keys(read_weights(p))
 
 
 def read_draft_vocab(path: Path, vocab: int) -> torch.Tensor | None:

@@ -17,141 +17,32 @@ One decoder function (`_decode`), two modes; both return (logits, features), log
 - compiled with `cpp_gemm=True` (backend `compiled-cpp`): the same graph, but every matmul is
   inductor's C++ GEMM template (max-autotune with the CPP backend as the only choice, so nothing is
   benchmarked). Where the default kernels cost more with each row (MKL's packed fp32 and ATen's bf16
-  GEMM on AVX2 CPUs without AVX-512), its cost stays near flat from 1 to 4 rows (docs/training.md,
-  session 15). It needs an x86 CPU with AVX2 or AVX-512; compiling takes minutes per tree size.
+  GEMM on AVX2 CPUs without AVX-512), its cost stays near flat from 1 to 4 rows (measured in
+  docs/training.md). It needs an x86 CPU with AVX2 or AVX-512; compiling takes minutes per tree size.
 
-Long flat sequences (a prefill of >= `UPCAST_MIN_ROWS` tokens) of a bfloat16 model on a CPU
-without AMX compute in float32 from the bf16 weights (upcast per matmul) and store bf16 keys and
-values: there bf16 matmuls with many rows run at ~160 GF/s against ~290 GF/s in float32 (measured,
-docs/performance.md). Every method shares this prefill, so their outputs stay comparable.
+Long flat sequences of a bfloat16 model compute in float32 where that pays (`cpu.upcast_pays`).
+Beside this file: `kvcache` (the caches), `attention` (stacked attention, `linear`), `inductor`
+(`compile_frozen`, the compiled-cpp options), `cpu` (feature flags, the upcast rule),
+`lazy_logits` (the eager path's logits).
 """
 from __future__ import annotations
-
-import dataclasses
-import functools
-import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TreeflashError
+from .attention import linear, stacked_attention
+from .cpu import UPCAST_MIN_ROWS, upcast_pays
+from .inductor import compile_frozen, cpp_gemm_supported
 from .kvcache import StaticKV, attention_mask
+from .lazy_logits import LazyLogits
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)  # compiled tree sizes; a tree is padded to the next one
 CAPACITY_STEP = 512
 WIDTH_STEP = 64  # a compiled step attends over the slots [:start + bucket] rounded up to this
-UPCAST_MIN_ROWS = 64  # flat sequences at least this long compute in float32 (see above)
 GROUPED_MAX_ROWS = 4  # steps of 2..this many rows attend with the query heads of a KV head stacked (`_attend`)
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (/proc/cpuinfo; empty where unreadable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
-    except OSError:
-        return frozenset()
-
-
-@functools.cache
-def cpp_gemm_supported() -> bool:
-    """Whether inductor's C++ GEMM template can run here (an AVX2 or AVX-512 x86 CPU)."""
-    from torch._inductor.cpu_vec_isa import VecAVX2, VecAVX512, pick_vec_isa
-
-    return isinstance(pick_vec_isa(), (VecAVX2, VecAVX512))  # AMX machines are AVX-512 ones
-
-
-def compile_options(cpp_gemm: bool) -> dict | None:
-    """torch.compile options: with `cpp_gemm`, every matmul in inductor's C++ GEMM template (max-autotune
-    with the CPP backend as the only choice, so nothing is benchmarked)."""
-    if not cpp_gemm:
-        return None
-    avoid_spilling_micro_gemm()
-    return {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
-
-
-# a guard whose source is reached through `self` (its attributes, modules, parameters, class)
-_THROUGH_SELF = re.compile(r"(?<![\w'\"])self\b")
-
-
-def skip_guards_through_self(entries) -> list[bool]:
-    """torch.compile's `guard_filter_fn` for a compiled bound method: keep the guards on its
-    arguments and on global state, drop those reached through `self`. A frozen graph has its
-    weights folded in, so guarding them is moot. A compiled target step has ~3,500 guards, nearly
-    all through `self`: checking its matching entry took 229 us with them and 25 us without, and
-    dynamo's cache lookup per plain step fell from 887 to 146 us (profiled; docs/performance.md
-    §14). Safe only with `isolate_recompiles` (see
-    `compile_frozen`): otherwise another instance's call would find this instance's graph."""
-    return [not _THROUGH_SELF.search(e.name) for e in entries]
-
-
-def compile_frozen(method, cpp_gemm: bool = False, **kwargs):
-    """torch.compile a bound method of a module whose weights become graph constants (inductor's
-    freezing). The compiled function keeps its own cache entries (`isolate_recompiles`), so it never
-    runs a graph compiled for another instance (another model's weights), and it guards only its
-    arguments (`skip_guards_through_self`). `cpp_gemm`: see `compile_options`."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.freezing = True
-    options = {**(compile_options(cpp_gemm) or {}), "guard_filter_fn": skip_guards_through_self}
-    return torch.compile(method, options=options, isolate_recompiles=True, **kwargs)
-
-
-def _rows_not_multiple_of_4(config, m, n, k, *args, **kwargs) -> bool:
-    return m % 4 != 0
-
-
-@functools.cache
-def avoid_spilling_micro_gemm() -> bool:
-    """Inductor's AVX2 micro-GEMM for bf16 inputs blocks 4 rows x 24 columns wherever it can: 12
-    accumulators, 3 converted weight vectors and the broadcast row fill all 16 registers, so with 4
-    (or 8, ...) rows it spills and runs at half the speed of 3 rows (docs/performance.md, "The
-    micro-GEMM's register block"). Keep that block where the rows are not a multiple of 4 (1-3: it
-    is the fastest there); elsewhere the next choice, 4 x 16, wins. Changes inductor's (private)
-    table of micro-kernel configurations, once per process; False where it has another shape."""
-    try:
-        import torch._inductor.compile_fx  # noqa: F401  (imported first: the codegen modules import it)
-        from torch._inductor.codegen import cpp_micro_gemm
-        from torch._inductor.cpu_vec_isa import VecAVX2
-    except ImportError:
-        return False
-    done = False
-    for configs in getattr(cpp_micro_gemm, "micro_gemm_configs", {}).values():
-        for i, c in enumerate(configs):
-            if (getattr(c, "vec_isa_cls", None) is VecAVX2 and c.input_dtype == c.input2_dtype == torch.bfloat16
-                    and tuple(c.register_blocking) == (4, 24, 1) and c.extra_check is None):
-                configs[i], done = dataclasses.replace(c, extra_check=_rows_not_multiple_of_4), True
-    return done
-
-
-def upcast_pays(dtype: torch.dtype, device: torch.device) -> bool:
-    """bf16 weights on a CPU without AMX: long matmuls are faster upcast to float32."""
-    return dtype == torch.bfloat16 and device.type == "cpu" and bool(cpu_flags()) and "amx_bf16" not in cpu_flags()
-
-
-def stacked_attention(q, keys, values, mask=None, scale=None) -> torch.Tensor:
-    """Grouped-query attention with the g = Hq/Hkv query heads of each KV head stacked as g*N rows
-    of one head (row i*N + n: head h*g + i, row n; the mask repeated per head), which ATen's CPU flash
-    attention runs faster than broadcast KV heads for a few rows (docs/performance.md §11-12).
-    q [1, Hq, N, D], keys/values [1, Hkv, S, D], mask [N, S] bool or None -> [1, Hq, N, D]."""
-    hq, n, d = q.shape[1:]
-    g = hq // keys.shape[1]
-    if mask is not None:
-        mask = mask.expand(g, n, mask.shape[-1]).reshape(1, 1, g * n, -1)
-    o = F.scaled_dot_product_attention(q.reshape(1, keys.shape[1], g * n, d), keys, values,
-                                       attn_mask=mask, scale=scale)  # [1, Hkv, g*N, D]
-    return o.reshape(1, hq, n, d)  # CUDA kernels may return a transposed layout
-
-
-def linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """mod(x); a plain nn.Linear with weights of another dtype computes in x's dtype."""
-    if type(mod) is nn.Linear and mod.weight.dtype != x.dtype:
-        b = None if mod.bias is None else mod.bias.to(x.dtype)
-        return F.linear(x, mod.weight.to(x.dtype), b)
-    return mod(x)
 
 
 def bucket_for(n: int) -> int | None:
@@ -163,28 +54,6 @@ def supported(config) -> bool:
     """Llama-family decoder with full attention in every layer (no sliding window)."""
     layer_types = getattr(config, "layer_types", None) or []
     return config.model_type in SUPPORTED and all(t == "full_attention" for t in layer_types)
-
-
-class LazyLogits:
-    """A forward's logits, indexable by node without the LM head over every row: the acceptance walk
-    reads only the nodes on its path (tau of them), so the LM head (49k x 576 for SmolLM2: a fifth
-    of the model, and at 16 rows slower per row than at 1) runs over those rows only."""
-
-    def __init__(self, h: torch.Tensor, lm_head):
-        self.h, self.lm_head = h, lm_head  # h [N, H] final-normed states
-        self.rows: dict[int, torch.Tensor] = {}
-
-    def __len__(self) -> int:
-        return self.h.shape[0]
-
-    def __getitem__(self, i) -> torch.Tensor:
-        """float32 logits: [V] of node i (computed once), [k, V] for a slice or index tensor."""
-        if not isinstance(i, int):
-            return self.lm_head(self.h[i]).float()
-        i = range(len(self))[i]  # a negative index counts from the end
-        if i not in self.rows:
-            self.rows[i] = self.lm_head(self.h[i:i + 1]).float()[0]
-        return self.rows[i]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import TreeflashError
-
-DEFAULT_TARGET = "smollm2-135m"
+from ..options import DEFAULT_TARGET  # noqa: F401 (the target every command uses when none is named)
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 DRAFTER_DIR = PACKAGE_ROOT / "assets" / "drafters"
 

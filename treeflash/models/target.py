@@ -18,14 +18,17 @@ import inspect
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..config import BACKENDS, is_compiled, uses_cpp_gemm
+from ..config import is_compiled, uses_cpp_gemm
 from ..errors import TreeflashError
+from ..options import BACKENDS, DTYPES
 from . import registry
-from .fastpath import FastPath, LazyLogits, cpu_flags, supported
+from .cpu import cpu_flags
+from .fastpath import FastPath, supported
 from .kvcache import HFCache, KVCache, attention_mask
+from .lazy_logits import LazyLogits
 
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the torch dtype of each `options.DTYPES` name but "auto" (`parse_dtype` resolves that one)
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 
 
 def bf16_is_fast() -> bool:
@@ -36,14 +39,15 @@ def bf16_is_fast() -> bool:
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """float32 | bfloat16 | float16 | auto (bf16 where the hardware computes it natively, else fp32)."""
+    """A name of `options.DTYPES`: float32 | bfloat16 | float16 | auto (bf16 where the hardware
+    computes it natively, else fp32)."""
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
         return torch.bfloat16 if bf16_is_fast() else torch.float32
-    if name not in DTYPES:
+    if name not in TORCH_DTYPES:
         raise TreeflashError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return TORCH_DTYPES[name]
 
 
 class HFPath:

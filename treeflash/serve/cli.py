@@ -1,7 +1,6 @@
 """`treeflash serve` (OpenAI-compatible HTTP server) and `treeflash chat` (terminal chat)."""
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import socket
 import sys
@@ -22,7 +21,6 @@ def register(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longest prompt in tokens (default: the context window)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
-    p.add_argument("--hold-file", default=None, help=argparse.SUPPRESS)  # test hook: see ServeConfig.hold_file
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
 
@@ -75,7 +73,7 @@ def _config(args, model_name: str):
         raise TreeflashError("--max-prompt-tokens must be >= 1")
     return ServeConfig(model_name=model_name, generation=GenerationConfig.from_args(args),
                        max_tokens_limit=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
-                       api_key=args.api_key, max_queue=args.max_queue, hold_file=args.hold_file)
+                       api_key=args.api_key, max_queue=args.max_queue)
 
 
 def _warm_up(engine, config) -> None:

@@ -8,7 +8,6 @@ A job whose client went away is marked cancelled and the worker stops it before 
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import sys
 import threading
@@ -20,6 +19,7 @@ from jinja2 import TemplateError
 
 from ..config import GenerationConfig
 from ..decoding.generate import Stats
+from ..decoding.text import pieces
 from ..errors import TreeflashError
 from .metrics import Metrics
 from .schemas import ApiError
@@ -35,10 +35,6 @@ class ServeConfig:
     max_prompt_tokens: int | None = None  # None -> the context window
     api_key: str | None = None
     max_queue: int = 64             # more waiting requests -> 429
-    # Test hook (`serve --hold-file`, hidden): once a generation has sent text, it pauses after each
-    # token while this file exists, until its client leaves. Tests drive queueing and disconnects
-    # with it deterministically, whatever the machine's speed.
-    hold_file: str | None = None
 
 
 @dataclass
@@ -159,33 +155,22 @@ class Worker:
                            code="context_length_exceeded")
         return ids
 
-    def _hold(self, job: Job) -> None:
-        while os.path.exists(self.config.hold_file) and not job.cancelled.is_set():
-            time.sleep(0.01)
-
     def _generate(self, job: Job, ids: list[int], stats: Stats) -> tuple[str, int]:
-        """Stream one generation into the job; returns (finish_reason, tokens generated)."""
-        cfg = self.config
+        """Stream one generation into the job through the engine's own token loop (`pieces`, as
+        `Engine.stream`); returns (finish_reason, tokens generated)."""
         text = self.engine.assembler(job.config)
-        tokens = self.engine.tokens(ids, job.config, chat=False, stats=stats)
-        n, finish = 0, None
-        for tok in tokens:
+        n, aborted = 0, False
+
+        def on_token(_tok: int) -> bool:  # before each token: has the client left? time to first token
+            nonlocal n, aborted
             if job.cancelled.is_set():
-                finish = "abort"
-                break
+                aborted = True
+                return False
             n += 1
             if n == 1:
                 self.metrics.observe_ttft(time.perf_counter() - job.arrived)
-            piece = text.add(tok)
-            if piece:
-                job.emit("text", piece)
-            if text.stopped:
-                finish = "stop"
-                break
-            if cfg.hold_file and text.sent:
-                self._hold(job)
-        tokens.close()  # stop decoding now (a break leaves the generator suspended)
-        tail = text.flush()
-        if tail:
-            job.emit("text", tail)
-        return finish or stats.finish_reason, n
+            return True
+
+        for piece in pieces(self.engine.tokens(ids, job.config, chat=False, stats=stats), text, on_token=on_token):
+            job.emit("text", piece)
+        return ("abort" if aborted else "stop" if text.stopped else stats.finish_reason), n

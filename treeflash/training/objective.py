@@ -53,38 +53,17 @@ def sample_anchors(prompt_len: int, seq_len: int, max_anchors: int, gen: torch.G
     return pick.sort().values
 
 
-def block_lengths(anchors: torch.Tensor, block_size: int, short_frac: float) -> torch.Tensor:
-    """[A] rows of each block: B, or with probability `short_frac` a length drawn from 2..B-1.
-
-    The engine runs blocks only as deep as the tree (`--block-len`), so a drafter trained on full
-    blocks alone is asked at inference for rows it never learned to predict without their later
-    MASK rows. Deterministic in the anchors, so a resumed or multi-rank run draws the same lengths.
-    """
-    A, B = anchors.numel(), block_size
-    full = torch.full((A,), B, dtype=torch.long)
-    if short_frac <= 0 or B <= 2 or A == 0:
-        return full
-    g = torch.Generator().manual_seed(int(anchors.sum()) * 104_729 + A)
-    short = torch.rand(A, generator=g) < short_frac
-    return torch.where(short, torch.randint(2, B, (A,), generator=g), full)
-
-
-def block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
-               lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """[A*B, C + A*B] bool, True = may attend: own anchor's prefix (< anchor) + own block's first
-    `lengths[j]` rows (all B when None)."""
+def block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """[A*B, C + A*B] bool, True = may attend: own anchor's prefix (< anchor) + own block."""
     A, B = anchors.numel(), block_size
     q_block = torch.arange(A).repeat_interleave(B)  # [A*B] block index of each query
     ctx = torch.arange(ctx_len)[None, :] < anchors[q_block][:, None]  # [A*B, C]
     own = q_block[:, None] == q_block[None, :]  # [A*B, A*B]
-    if lengths is not None:
-        k_in_len = torch.arange(B).repeat(A) < lengths[q_block]  # [A*B] key row inside its block's length
-        own = own & k_in_len[None, :]
     return torch.cat([ctx, own], 1)
 
 
 def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
-                 pred: torch.Tensor | None = None, lengths: torch.Tensor | None = None):
+                 pred: torch.Tensor | None = None):
     """Block tokens, positions, labels and previous tokens, each [A*B].
 
     labels[k] = ids[anchor+k] for k >= 1 inside the sequence, else IGNORE (k = 0 is IGNORE).
@@ -93,7 +72,6 @@ def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
     position given the data prefix. Then labels[k] = pred[anchor+k], kept only while the data
     agrees with the target's greedy path inside the block (ids == pred at anchor+1..anchor+k-1),
     so every label is exactly the target's greedy continuation of what the block sees.
-    lengths [A] (optional): rows `>= lengths[j]` of block j are cut off (label IGNORE).
     """
     T, B = ids.numel(), block_size
     offs = torch.arange(B)
@@ -109,8 +87,6 @@ def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
         chain_ok = torch.cumprod(torch.cat([torch.ones_like(agree[:, :1]), agree[:, :-1]], 1).long(), 1).bool()
         labels = torch.where(inside & chain_ok, pred[at], torch.full_like(pos, IGNORE))
     labels[:, 0] = IGNORE
-    if lengths is not None:
-        labels = torch.where(offs[None, :] < lengths[:, None], labels, torch.full_like(labels, IGNORE))
     prev = ids[(pos - 1).clamp(min=0, max=T - 1)]
     return tokens.reshape(-1), pos.reshape(-1), labels.reshape(-1), prev.reshape(-1)
 
@@ -124,7 +100,6 @@ class LossConfig:
     ar_weight: float = 1.0  # weight of the corrected (TreeFlash) head loss; 0 = plain DFlash
     marginal_weight: float = 1.0  # weight of the marginal head loss (0 when the body is frozen)
     negatives: int = 2048  # random non-draft-vocabulary rows added to each call's softmax
-    short_blocks: float = 0.0  # fraction of blocks cut to a random length in 2..B-1 (`block_lengths`)
 
 
 class DraftObjective(nn.Module):
@@ -154,12 +129,6 @@ class DraftObjective(nn.Module):
         self.register_buffer("to_draft", to_draft, persistent=False)  # [V] full id -> draft id
         gamma = cfg.gamma or default_gamma(cfg.block_size)
         self.register_buffer("pos_w", position_weights(cfg.block_size, gamma), persistent=False)  # [B]
-
-    def block_lengths(self, anchors: torch.Tensor) -> torch.Tensor | None:
-        """[A] rows per block, or None for full blocks."""
-        if self.cfg.short_blocks <= 0:
-            return None
-        return block_lengths(anchors, self.cfg.block_size, self.cfg.short_blocks)
 
     def draft_labels(self, labels: torch.Tensor) -> torch.Tensor:
         out = torch.full_like(labels, IGNORE)
@@ -218,9 +187,8 @@ class DraftObjective(nn.Module):
         dtype = self.embed_weight.dtype
         self.set_negatives(int(anchors.sum()) * 7919 + T)  # deterministic in the inputs (exact resume)
         kv = d.context_kv(feats.to(dtype), torch.arange(T))  # per layer [nkv, T, hd]
-        lengths = self.block_lengths(anchors)  # [A] or None
-        tokens, pos, labels, prev = block_inputs(ids, anchors, B, d.config.mask_token_id, pred, lengths)  # [A*B]
-        mask = block_mask(anchors, T, B, lengths)  # [A*B, T + A*B]
+        tokens, pos, labels, prev = block_inputs(ids, anchors, B, d.config.mask_token_id, pred)  # [A*B]
+        mask = block_mask(anchors, T, B)  # [A*B, T + A*B]
         h = d.forward_block(F.embedding(tokens, self.embed_weight), pos, kv, mask)  # [A*B, H]
         labels_d = self.draft_labels(labels)
         w = self.weights(labels)  # [A*B]
@@ -268,18 +236,16 @@ class BatchObjective(nn.Module):
         return out
 
 
-def dense_reference_mask(anchors: list[int], ctx_len: int, block_size: int,
-                         lengths: list[int] | None = None) -> torch.Tensor:
+def dense_reference_mask(anchors: list[int], ctx_len: int, block_size: int) -> torch.Tensor:
     """Element-by-element reference for `block_mask` (used by the tests)."""
     A, B = len(anchors), block_size
-    lengths = lengths or [B] * A
     m = torch.zeros(A * B, ctx_len + A * B, dtype=torch.bool)
     for qi in range(A * B):
         j = qi // B
         for c in range(ctx_len):
             m[qi, c] = c < anchors[j]
         for kj in range(A * B):
-            m[qi, ctx_len + kj] = (kj // B) == j and kj % B < lengths[j]
+            m[qi, ctx_len + kj] = (kj // B) == j
     return m
 
 

@@ -18,7 +18,7 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,88 +28,17 @@ from tqdm import tqdm
 
 from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
-from ..models.drafter import Drafter
+from ..models.drafter import Drafter, load_drafter
 from ..models.drafter_config import DrafterConfig, check_fits
-from ..models.drafter_io import load_drafter
 from ..models.target import Target
 from .features import FeatureStore
 from .objective import BatchObjective, DraftObjective, LossConfig, block_inputs, cosine_lr, draft_vocab_from_counts, sample_anchors
+from .train_config import TrainConfig
 
 
-@dataclass
-class TrainConfig:
-    features: list[str] = field(default_factory=list)  # feature shard files
-    out: str = "runs/drafter"
-    num_layers: int = 2
-    num_taps: int = 4
-    block_size: int = 8
-    treeflash: bool = True
-    init: str = "target"  # "target" (last target layers) | "random" | a drafter directory
-    freeze_body: bool = False  # train only the AR-approximation (needs init = a drafter directory)
-    # append this many layers to an init drafter (a deeper drafter that starts exactly as the trained
-    # one: the new layers' attention and MLP outputs start at zero; the rest from the target's layers)
-    grow_layers: int = 0
-    lr: float = 6e-4
-    warmup: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    batch_seqs: int = 8  # sequences per step (global)
-    max_anchors: int = 32  # blocks per sequence
-    # fraction of blocks cut to a random length in 2..block_size-1, as the engine's short block passes
-    # (`--block-len`); validation always scores full blocks, weighted with the default gamma
-    short_blocks: float = 0.0
-    gamma: float = 0.0  # position-loss decay exp(-(k-1)/gamma); 0 = DFlash's default for the block size
-    steps: int = 1000
-    kl_weight: float = 0.5
-    ar_weight: float = 1.0
-    draft_vocab: int = 8192  # 0 = full vocabulary
-    negatives: int = 2048  # random out-of-draft-vocabulary rows per sequence in the softmax
-    val_seqs: int = 32
-    eval_every: int = 100
-    ckpt_every: int = 100
-    log_every: int = 10
-    bf16: bool = False
-    seed: int = 0
-    max_minutes: float = 0.0  # stop (with a checkpoint) after this long; 0 = no limit
-    target_labels: bool = False  # response labels := target's greedy top-1 (for human-written data)
-
-    def check(self) -> "TrainConfig":
-        def bad(msg):
-            raise TreeflashError(f"bad config value: {msg}")
-        if self.block_size < 2:
-            bad(f"block_size must be >= 2, got {self.block_size}")
-        if self.num_layers < 1:
-            bad(f"num_layers must be >= 1, got {self.num_layers}")
-        if self.num_taps < 1:
-            bad(f"num_taps must be >= 1, got {self.num_taps}")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            bad(f"lr must be a positive number, got {self.lr}")
-        if not 0 <= self.warmup < 1:
-            bad(f"warmup must be in [0, 1), got {self.warmup}")
-        if self.steps < 1 or self.batch_seqs < 1 or self.max_anchors < 1:
-            bad("steps, batch_seqs and max_anchors must be >= 1")
-        if not 0 <= self.kl_weight <= 1:
-            bad(f"kl_weight must be in [0, 1], got {self.kl_weight}")
-        if self.ar_weight < 0 or self.grad_clip < 0 or self.draft_vocab < 0 or self.val_seqs < 0:
-            bad("ar_weight, grad_clip, draft_vocab and val_seqs must be >= 0")
-        if not 0 <= self.short_blocks <= 1:
-            bad(f"short_blocks must be in [0, 1], got {self.short_blocks}")
-        if not (self.gamma >= 0 and math.isfinite(self.gamma)):
-            bad(f"gamma must be >= 0 (0 = the default for the block size), got {self.gamma}")
-        if self.grow_layers < 0 or (self.grow_layers and self.init in ("target", "random")):
-            bad("grow_layers needs init = a trained drafter directory, and must be >= 0")
-        if self.grow_layers and self.freeze_body:
-            bad("grow_layers adds layers to train; it cannot be combined with freeze_body")
-        if self.freeze_body and self.init in ("target", "random"):
-            bad("freeze_body needs init = a trained drafter directory")
-        if self.freeze_body and not self.treeflash:
-            bad("freeze_body trains only the TreeFlash AR-approximation; it needs treeflash")
-        return self
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+# Options of earlier versions that a checkpoint's state.json may still record, with their off value.
+# A run that used one cannot be resumed as it was trained.
+REMOVED_OPTIONS = {"grow_layers": 0, "short_blocks": 0.0}
 
 
 # ---------------------------------------------------------------- distributed
@@ -152,19 +81,17 @@ def all_sum(t: torch.Tensor, world: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- drafter
-def init_from_target(drafter: Drafter, target: Target, layers=None, norm: bool = True) -> None:
+def init_from_target(drafter: Drafter, target: Target) -> None:
     """Copy the target's last decoder layers (and final norm) into the drafter's layers: drafter
-    layer i of n gets target layer L - n + i (`layers`: only these drafter layers)."""
+    layer i of n gets target layer L - n + i."""
     t_layers = target.decoder.layers
     n = len(drafter.model.layers)
     for i, layer in enumerate(drafter.model.layers):
-        if layers is not None and i not in layers:
-            continue
         src = t_layers[len(t_layers) - n + i].state_dict()
         own = layer.state_dict()
         own.update({k: v for k, v in src.items() if k in own and own[k].shape == v.shape})
         layer.load_state_dict(own)
-    if norm and hasattr(target.decoder, "norm"):
+    if hasattr(target.decoder, "norm"):
         drafter.model.norm.load_state_dict(target.decoder.norm.state_dict())
 
 
@@ -180,35 +107,12 @@ def with_ar(drafter: Drafter, seed: int) -> Drafter:
     return new
 
 
-def grow(drafter: Drafter, extra: int, target: Target, seed: int) -> Drafter:
-    """`drafter` with `extra` more layers on top. A new layer is initialised like `--init target`
-    (from the target's last layers) but with its attention and MLP output projections at zero, so
-    each new block is the identity and the grown drafter computes exactly what `drafter` did."""
-    cfg = DrafterConfig.from_dict(drafter.config.to_dict())
-    n = cfg.num_hidden_layers
-    cfg.num_hidden_layers = n + extra
-    new = Drafter(cfg).init_weights(seed)
-    state = new.state_dict()
-    state.update(drafter.state_dict())  # every old tensor keeps its name; new layers are n .. n+extra-1
-    new.load_state_dict(state)
-    init_from_target(new, target, layers=range(n, n + extra), norm=False)
-    for layer in new.model.layers[n:]:
-        torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
-        if layer.self_attn.o_proj.bias is not None:
-            torch.nn.init.zeros_(layer.self_attn.o_proj.bias)
-        torch.nn.init.zeros_(layer.mlp.down_proj.weight)
-    new.draft_vocab = drafter.draft_vocab
-    return new
-
-
 def build_drafter(cfg: TrainConfig, target: Target) -> Drafter:
     if cfg.init not in ("target", "random"):
         d = load_drafter(cfg.init).float()
         check_fits(d.config, target.config, target.vocab_rows)
         if cfg.treeflash:
             d = with_ar(d, cfg.seed)
-        if cfg.grow_layers:
-            d = grow(d, cfg.grow_layers, target, cfg.seed)
         return d.train()
     dcfg = DrafterConfig.for_target(target.config, num_layers=cfg.num_layers, num_taps=cfg.num_taps,
                                     block_size=cfg.block_size, mask_token_id=target.default_mask_token(),
@@ -263,17 +167,33 @@ def find_checkpoint(out: Path) -> Path | None:
     return None
 
 
+def check_removed_options(path: Path, config: dict) -> None:
+    """Refuse to resume a checkpoint trained with an option this version no longer has (set to
+    anything but its off value); the `--option` would otherwise be silently dropped."""
+    used = {k: config[k] for k in REMOVED_OPTIONS if k in config and config[k] != REMOVED_OPTIONS[k]}
+    if used:
+        opts = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in used.items())
+        raise TreeflashError(f"checkpoint {path} was trained with {opts}, which this version no longer "
+                             f"has; it cannot be resumed. Start a new run with --init {path / 'drafter'} "
+                             "to fine-tune its drafter")
+
+
 def load_checkpoint(path: Path, drafter: Drafter, opt: torch.optim.Optimizer):
     from safetensors.torch import load_file
 
+    state = json.loads((path / "state.json").read_text())
+    check_removed_options(path, state.get("config", {}))
     d = load_drafter(path / "drafter")
-    drafter.load_state_dict(d.state_dict())
+    try:
+        drafter.load_state_dict(d.state_dict())
+    except RuntimeError as e:
+        raise TreeflashError(f"checkpoint {path} holds a drafter of another shape than this config builds "
+                             f"({str(e).splitlines()[0]}); resume with the same config") from None
     tensors = load_file(str(path / "optimizer.safetensors"))
     for n, p in drafter.named_parameters():
         if f"{n}.exp_avg" in tensors:
             opt.state[p] = {"step": tensors[f"{n}.step"].reshape(()).float(),
                             "exp_avg": tensors[f"{n}.exp_avg"], "exp_avg_sq": tensors[f"{n}.exp_avg_sq"]}
-    state = json.loads((path / "state.json").read_text())
     return state, tensors.get("__draft_vocab__")
 
 
@@ -300,7 +220,7 @@ def anchors_for(seq: dict, step: int, index: int, cfg: TrainConfig) -> torch.Ten
 
 def local_weight(obj: DraftObjective, seq: dict, anchors: torch.Tensor) -> float:
     _, _, labels, _ = block_inputs(seq["ids"], anchors, obj.cfg.block_size, obj.drafter.config.mask_token_id,
-                                   seq.get("pred"), obj.block_lengths(anchors))
+                                   seq.get("pred"))
     return float(obj.weights(labels).sum())
 
 
@@ -349,9 +269,9 @@ class Trainer:
                           ar_weight=cfg.ar_weight if self.drafter.ar_approximation is not None else 0.0,
                           marginal_weight=0.0 if cfg.freeze_body else 1.0,
                           negatives=cfg.negatives if draft_vocab is not None else 0,
-                          short_blocks=cfg.short_blocks, gamma=cfg.gamma or None)
+                          gamma=cfg.gamma or None)
         self.obj = DraftObjective(self.drafter, emb, head, lcfg, draft_vocab)
-        self.val_obj = DraftObjective(self.drafter, emb, head, replace(lcfg, negatives=0, short_blocks=0.0, gamma=None), None)  # full vocabulary: honest accuracy
+        self.val_obj = DraftObjective(self.drafter, emb, head, replace(lcfg, negatives=0, gamma=None), None)  # full vocabulary: honest accuracy
         self.model = BatchObjective(self.obj)
         if self.world > 1:
             self.model = torch.nn.parallel.DistributedDataParallel(self.model, broadcast_buffers=False)

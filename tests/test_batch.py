@@ -1,0 +1,273 @@
+"""Batched decoding (decoding/batch.py, models/batchcache.py): every sequence of a batch decodes
+exactly what it decodes alone in the bs=1 loop, with staggered arrivals, a pool too small for all
+requests at once (admission waits), stop ids, max_new_tokens of 1 and a cancel in the middle."""
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from treeflash.config import GenerationConfig
+from treeflash.decoding.batch import BatchDecoder
+from treeflash.decoding.generate import Stats, decode
+from treeflash.decoding.lookup import LookupParams
+from treeflash.decoding.proposers import TreeParams, make_proposer
+from treeflash.decoding.sampling import SamplingParams
+from treeflash.errors import TreeflashError
+from treeflash.models.batchcache import BatchCache
+from treeflash.models.kvcache import StaticKV
+
+from conftest import ORACLES, tiny_drafter, tiny_target, vanilla
+
+METHODS = ["vanilla", "chain", "marginal", "treeflash", "lookup", "treeflash+lookup"]
+DRAFTED = {"chain", "marginal", "treeflash", "treeflash+lookup"}
+CAPACITY = 192  # slots: less than the requests' reservations together, so some wait
+
+
+@dataclass(frozen=True)
+class Req:
+    prompt: list[int]
+    n: int                   # max_new_tokens
+    budget: int
+    arrive: int              # the step before which it is added
+    stop_at: int | None = None   # a stop id: the greedy reference's token at this index
+    cancel: int | None = None    # the step before which it is cancelled
+    seed: int | None = None
+
+
+REQS = [
+    Req(list(range(3, 8)), 40, 8, 0),
+    Req(list(range(5, 74, 3)), 17, 16, 0, stop_at=9),
+    Req([7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9, 10], 30, 5, 2),  # repeats: lookup branches match
+    Req(list(range(90, 28, -2)), 25, 12, 3, cancel=6),
+    Req([11, 12], 1, 8, 4),                                   # ends at its prefill
+    Req(list(range(40, 49)), 12, 8, 4, stop_at=0),            # its first token is a stop id
+    Req(list(range(60, 80)), 21, 6, 7),
+]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(request):
+    target = tiny_target(request.param, logit_scale=3.0).set_backend("static")
+    drafter = tiny_drafter(target, block_size=8)
+    greedy = [vanilla(target, r.prompt, r.n) for r in REQS]  # the oracles' references
+    return target, drafter, greedy
+
+
+class Decoy:
+    """Over conftest's oracles: the reference token is boosted, and often a decoy is ranked just
+    above it, so accepted paths also run through second children (tree nodes that come after
+    non-ancestors: only the ancestor mask keeps those apart)."""
+
+    decoy_rate = 0.4
+
+    def _boost(self, row: torch.Tensor, depth: int) -> None:
+        tok = self._ref(depth)
+        if tok is None:
+            return
+        row[tok] += self.bonus * (1 + self._rng.random())
+        if self._rng.random() < self.decoy_rate:
+            row[self._rng.randrange(row.shape[0])] = row[tok] + 0.5
+
+
+DECOYS = {name: type(f"Decoy{cls.__name__}", (Decoy, cls), {}) for name, cls in ORACLES.items()}
+
+
+def proposer(method, target, drafter, reference, budget):
+    """A decoy oracle for the drafter methods (NAME+lookup: with lookup branches), else the method's own."""
+    base, _, plus = method.partition("+")
+    if base not in DECOYS:
+        return make_proposer(method, None, target.embed, target.lm_head, TreeParams(budget))
+    p = DECOYS[base](drafter, target.embed, target.lm_head, TreeParams(budget, 4, 4, stage2_vocab=0),
+                     LookupParams() if plus else None)
+    p.reference = reference
+    return p
+
+
+def stop_ids(req, greedy):
+    return set() if req.stop_at is None else {greedy[req.stop_at]}
+
+
+def alone(target, drafter, greedy, methods, sampling=SamplingParams(), reqs=REQS):
+    """Each request decoded by the bs=1 loop: (tokens, stats) per request."""
+    out = []
+    for r, g, m in zip(reqs, greedy, methods):
+        stats = Stats()
+        p = proposer(m, target, drafter, r.prompt + g, r.budget)
+        toks = list(decode(target, p, r.prompt, r.n, sampling, seed=r.seed, stats=stats,
+                           stop_ids=stop_ids(r, g)))
+        out.append((toks, stats))
+    return out
+
+
+def batched(target, drafter, greedy, methods, sampling=SamplingParams(), reqs=REQS, capacity=CAPACITY):
+    """The requests through one BatchDecoder, added and cancelled at their steps. Returns
+    (tokens per request, the decoder, the batch size of each step's target forward); the
+    decoder's `finished` is re-keyed by request index."""
+    dec = BatchDecoder(target, drafter, capacity=capacity)
+    sizes = []
+    decode_step = dec._decode
+    dec._decode = lambda seqs, out: sizes.append(len(seqs)) or decode_step(seqs, out)
+    ids, toks, step = {}, {}, 0
+    while step <= max(r.arrive for r in reqs) or dec.busy:
+        for i, (r, g, m) in enumerate(zip(reqs, greedy, methods)):
+            if r.arrive == step:
+                cfg = GenerationConfig(max_new_tokens=r.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                       sampling_top_k=sampling.top_k, seed=r.seed)
+                ids[i] = dec.add(r.prompt, cfg, proposer=proposer(m, target, drafter, r.prompt + g, r.budget),
+                                 stop_ids=stop_ids(r, g))
+                toks[ids[i]] = []
+            if r.cancel == step:
+                dec.cancel(ids[i])
+        for sid, new in dec.step().items():
+            toks[sid] += new
+        step += 1
+    dec.finished = {i: dec.finished[sid] for i, sid in ids.items()}
+    return [toks[ids[i]] for i in range(len(reqs))], dec, sizes
+
+
+def check_against_alone(got, dec, ref, drafted: bool):
+    for i, (r, (want, stats)) in enumerate(zip(REQS, ref)):
+        st = dec.finished[i].stats
+        if r.cancel is not None:
+            assert got[i] == want[:len(got[i])] and len(got[i]) < len(want), i
+            assert st.finish_reason == "abort"
+        else:
+            assert got[i] == want, i
+            assert st.finish_reason == stats.finish_reason, i
+    assert dec.cache.free_slots == dec.cache.capacity and dec.cache.reserved_slots == 0
+    assert not dec.running and not dec.waiting
+    if drafted:  # the oracle's trees are accepted deep: the test covers long accepted paths
+        steps = [dec.finished[i].stats for i, r in enumerate(REQS) if r.n > 20 and r.cancel is None]
+        assert sum(sum(s.acceptance_lengths) for s in steps) / sum(s.steps for s in steps) > 1.5
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batched_greedy_equals_alone(setup, method):
+    target, drafter, greedy = setup
+    methods = [method] * len(REQS)
+    got, dec, sizes = batched(target, drafter, greedy, methods)
+    check_against_alone(got, dec, alone(target, drafter, greedy, methods), method in DRAFTED)
+    assert max(sizes) >= 3, "several sequences should share a forward"
+    assert any(r.stop_at is not None and len(g) < r.n for r, g in zip(REQS, got)), "a stop id should end one"
+
+
+def test_mixed_methods_in_one_batch(setup):
+    target, drafter, greedy = setup
+    methods = (METHODS * 2)[:len(REQS)]
+    got, dec, _ = batched(target, drafter, greedy, methods)
+    check_against_alone(got, dec, alone(target, drafter, greedy, methods), drafted=False)
+
+
+def test_sampled_tokens_equal_alone_per_seed(setup):
+    """Each request has its own RNG, drawn once per visited node as in the bs=1 loop: a seeded
+    request samples the same tokens in a batch as alone."""
+    target, drafter, greedy = setup
+    sampling = SamplingParams(temperature=1.0, top_p=0.95)
+    reqs = [replace(r, seed=100 + i) for i, r in enumerate(REQS)]
+    methods = ["vanilla", "chain", "treeflash", "treeflash+lookup", "marginal", "lookup", "treeflash"]
+    got, dec, _ = batched(target, drafter, greedy, methods, sampling, reqs)
+    check_against_alone(got, dec, alone(target, drafter, greedy, methods, sampling, reqs), drafted=False)
+    assert any(g != s[:len(g)] for g, s in zip(got, greedy)), "sampling should leave the greedy path"
+
+
+@pytest.mark.parametrize("wrong", ["leak", "causal"])
+def test_a_wrong_mask_breaks_exactness(setup, monkeypatch, wrong):
+    """The exactness tests bite: rows that also see other sequences' slots (leak), or every
+    earlier node of their tree instead of their ancestors (causal), change the outputs."""
+    target, drafter, greedy = setup
+    step_mask = BatchCache.step_mask
+
+    def bad(self, parts, slots, width):
+        if wrong == "causal":
+            return step_mask(self, [(i, n, None) for i, n, _ in parts], slots, width)
+        mask = step_mask(self, parts, slots, width)
+        for i in self.seqs:
+            mask[:, self.held(i)] = True
+        return mask
+
+    monkeypatch.setattr(BatchCache, "step_mask", bad)
+    methods = ["treeflash"] * len(REQS)
+    got, _, _ = batched(target, drafter, greedy, methods)
+    ref = alone(target, drafter, greedy, methods)
+    assert any(g != w[:len(g)] for g, (w, _) in zip(got, ref))
+
+
+def test_pool_pages_compaction_and_free():
+    """Pages are taken on demand, compaction moves kept rows (every layer, k and v) and gives the
+    pages past them back; `free` returns the rest; admission refuses what does not fit."""
+    kv = StaticKV(2, 1, 1, 32, torch.float32, "cpu")
+    cache = BatchCache(kv, page_size=4)
+    cache.add(0, 12)
+    cache.add(1, 12)
+    assert not cache.fits(12) and cache.fits(8)
+    s1 = cache.write(1, 3)
+    cache.compact({1: torch.arange(3)})
+    slots = cache.write(0, 7)  # logical 0..6: two pages, the lowest free ones
+    assert cache.seqs[0].pages == [1, 2] and s1.tolist() == [0, 1, 2] and slots.tolist() == [4, 5, 6, 7, 8, 9, 10]
+    for t in kv.k + kv.v:
+        t[0, 0, slots, 0] = torch.arange(7.0)
+    cache.compact({0: torch.tensor([0, 2, 6])})
+    assert cache.length(0) == 3 and cache.seqs[0].pages == [1]  # page 2 went back
+    for t in kv.k + kv.v:
+        assert t[0, 0, cache.held(0), 0].tolist() == [0.0, 2.0, 6.0]
+    # a step: sequence 0 a 2-node chain tree (slots 7, 8: page 2 again), sequence 1 one root (slot 3)
+    new = torch.cat([cache.write(0, 2), cache.write(1, 1)])
+    assert new.tolist() == [7, 8, 3] and cache.width([0, 1]) == 12
+    mask = cache.step_mask([(0, 2, torch.tensor([[True, False], [True, True]])), (1, 1, None)], new, 12)
+    assert [m.nonzero().flatten().tolist() for m in mask] == [[4, 5, 6, 7], [4, 5, 6, 7, 8], [0, 1, 2, 3]]
+    cache.free(0)
+    cache.free(1)
+    assert cache.free_slots == 32 and cache.reserved_slots == 0
+
+
+def test_engine_generate_batch_equals_generate():
+    from treeflash.api import Engine
+
+    target = tiny_target("llama", logit_scale=3.0)
+    engine = Engine(target, tiny_drafter(target), backend="static")
+    prompts = [list(range(3, 12)), list(range(20, 50, 2)), [5, 6, 5, 6, 5, 6]]
+    for kw in ({}, {"temperature": 1.0, "seed": 7}):
+        cfg = engine.config(method="treeflash", tree_size=6, max_new_tokens=14, ignore_eos=True, **kw)
+        got = engine.generate_batch(prompts, cfg)
+        for p, res in zip(prompts, got):
+            want = engine.generate(p, cfg)
+            assert (res.token_ids, res.text) == (want.token_ids, want.text)
+            assert res.stats.new_tokens == 14 and res.stats.finish_reason == "length"
+
+
+def test_needs_the_static_backend_and_a_pool_large_enough():
+    target = tiny_target("llama")
+    with pytest.raises(TreeflashError, match="static backend"):
+        BatchDecoder(target.set_backend("hf"))
+    dec = BatchDecoder(target.set_backend("static"), capacity=32)
+    with pytest.raises(TreeflashError, match="exceeds the pool"):
+        dec.add(list(range(10)), GenerationConfig(method="vanilla", max_new_tokens=40))
+
+
+def test_one_drafter_pass_drafts_what_each_block_drafts_alone():
+    """`draft_blocks` (all blocks in one pass, each seeing its own context) and `extend_contexts`
+    (all contexts' keys / values in one pass) against the drafter run per sequence."""
+    from treeflash.decoding.batch import draft_blocks, extend_contexts
+    from treeflash.models.drafter import DraftCache
+
+    target = tiny_target("qwen2")
+    drafter = tiny_drafter(target, block_size=8)
+    n_layers, width = len(drafter.model.layers), drafter.model.fc.in_features
+    gen = torch.Generator().manual_seed(0)
+    lens, roots, depths = [5, 17, 9], [3, 40, 77], [7, 2, 4]
+    batch = [DraftCache(n_layers) for _ in lens]
+    alone = [DraftCache(n_layers) for _ in lens]
+    with torch.no_grad():
+        for n in (lens, [3, 1, 2]):  # a prompt, then a step's accepted rows
+            feats = [torch.randn(k, width, generator=gen) for k in n]
+            pos = [torch.arange(c.length, c.length + k) for c, k in zip(alone, n)]
+            extend_contexts(drafter, list(zip(batch, feats, pos)))
+            for c, f, p in zip(alone, feats, pos):
+                drafter.extend(c, f, p)
+        jobs = [(c, r, c.length, d) for c, r, d in zip(batch, roots, depths)]
+        got = draft_blocks(drafter, target.embed, jobs)
+        for c, b, r, d, h in zip(alone, batch, roots, depths, got):
+            ids = torch.tensor([r] + [drafter.config.mask_token_id] * d)
+            torch.testing.assert_close(h, drafter.draft(c, target.embed(ids), c.length), atol=1e-5, rtol=1e-5)
+            assert b.length == c.length and all(torch.equal(x, y) or torch.allclose(x, y, atol=1e-6)
+                                                for x, y in zip(b.k + b.v, c.k + c.v))

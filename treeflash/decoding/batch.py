@@ -1,0 +1,379 @@
+"""Batched speculative decoding: several sequences, each at its own position, advance together.
+
+`BatchDecoder.step` is a pipeline of short functions over the running sequences:
+1. admit: waiting requests whose worst case fits the slot pool (`models/batchcache.py`) join;
+   their prompts are prefilled in one forward (each causal over its own slots) and emit their
+   first token (a separate forward from the trees': no chunked / mixed prefill);
+2. draft: one drafter pass over every sequence's block [root, MASK x d] (`draft_blocks`: each
+   block sees its own context and itself), then each sequence's own proposer builds its tree
+   (per-sequence state: lookup index, method, budget);
+3. verify: ONE target forward over all trees concatenated (ragged rows at positions start+depth,
+   in pool slots; each row sees its sequence's context and its tree ancestors);
+4. accept: per sequence, the bs=1 `verify.accept` over its rows of the logits, with its own
+   sampler and RNG (so a seeded request samples what it samples alone);
+5. commit: the pool keeps each accepted path (one gather/scatter per layer for the batch), the
+   drafter's contexts get the accepted rows' features (one pass), tokens are emitted with the
+   bs=1 stop / length rules, and finished or cancelled sequences give their slots back.
+Plain decoding of B sequences is the case of root-only trees. Needs the static backend's
+`FastPath` (Llama / Qwen family); its decoder runs eagerly (no compiled step for batches yet).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import GenerationConfig
+from ..errors import TreeflashError
+from ..models.batchcache import BatchCache
+from ..models.cpu import UPCAST_MIN_ROWS
+from ..models.drafter import DraftCache, Drafter
+from ..models.fastpath import FastPath
+from ..models.lazy_logits import LazyLogits
+from ..models.target import Target
+from .generate import Stats
+from .proposers import Proposer, make_proposer
+from .sampling import SamplingParams, choose
+from .trees import Tree
+from .verify import accept
+
+
+@dataclass
+class Seq:
+    """One request's decoding state."""
+
+    id: int
+    prompt: list[int]
+    proposer: Proposer
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_ids: set[int]
+    gen: torch.Generator | None
+    need: int                                # worst-case cache slots (its reservation)
+    stats: Stats = field(default_factory=Stats)
+    dcache: DraftCache | None = None         # the drafter's context (None: no drafting)
+    history: list[int] = field(default_factory=list)  # prompt + emitted tokens (ends with the root)
+    tokens: list[int] = field(default_factory=list)   # emitted tokens
+    start: int = 0                           # position of the root = tokens in the target's cache
+    ready: torch.Tensor | None = None        # this step's drafter states [d+1, H] (`draft_blocks`)
+    t_start: float = 0.0
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.proposer.drafter if self.dcache is not None else None
+
+
+class Rows:
+    """Rows off..off+n-1 of a step's logits, indexed by node (what `accept` reads)."""
+
+    def __init__(self, logits, off: int, n: int):
+        self.logits, self.off, self.n = logits, off, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.logits[self.off + i]
+
+
+# ---------------------------------------------------------------- pure pieces of a step
+def block_ids(drafter: Drafter, root: int, depth: int, device) -> torch.Tensor:
+    """[depth+1] long: the block [root, MASK x depth]."""
+    ids = torch.full((depth + 1,), drafter.config.mask_token_id, dtype=torch.long, device=device)
+    ids[0] = root
+    return ids
+
+
+def owner_mask(rows: list[int], cols: list[int], device) -> torch.Tensor:
+    """Row i of job a may see column j of job b iff a == b. rows [J], cols [J]: rows / columns per
+    job (job order) -> [sum rows, sum cols] bool (block diagonal)."""
+    jobs = torch.arange(len(rows), device=device)
+    r = jobs.repeat_interleave(torch.tensor(rows, device=device))  # [R]
+    c = jobs.repeat_interleave(torch.tensor(cols, device=device))  # [C]
+    return r[:, None] == c[None, :]
+
+
+def block_mask(ctx: list[int], blk: list[int], device) -> torch.Tensor:
+    """Context lengths [J], block lengths [J] -> [Q, C+Q] bool (keys: every job's context, then
+    every job's block): a block row of job j sees job j's context and job j's block only."""
+    return torch.cat([owner_mask(blk, ctx, device), owner_mask(blk, blk, device)], 1)
+
+
+@torch.no_grad()
+def draft_blocks(drafter: Drafter, embed, jobs: list[tuple[DraftCache, int, int, int]]) -> list[torch.Tensor]:
+    """jobs [(draft cache, root, start, depth)] -> per job the pre-norm states h [depth+1, H] of its
+    block [root, MASK x depth] at positions start.., from ONE drafter pass over all blocks."""
+    dev = embed.weight.device
+    if len(jobs) == 1:  # the bs=1 pass (compiled where the drafter is)
+        cache, root, start, d = jobs[0]
+        return [drafter.draft(cache, embed(block_ids(drafter, root, d, dev)), start)]
+    assert all(c.pending is None for c, *_ in jobs), "batched contexts are extended eagerly"
+    ids = torch.cat([block_ids(drafter, root, d, dev) for _, root, _, d in jobs])     # [Q]
+    pos = torch.cat([torch.arange(s, s + d + 1, device=dev) for _, _, s, d in jobs])  # [Q]
+    kv = [(torch.cat([c.k[i] for c, *_ in jobs], 1), torch.cat([c.v[i] for c, *_ in jobs], 1))
+          for i in range(len(drafter.model.layers))]                                  # per layer [nkv, C, hd]
+    ctx, blk = [c.k[0].shape[1] for c, *_ in jobs], [d + 1 for *_, d in jobs]
+    h = drafter.forward_block(embed(ids), pos, kv, block_mask(ctx, blk, dev))        # [Q, H]
+    return list(h.split(blk))
+
+
+@torch.no_grad()
+def extend_contexts(drafter: Drafter, items: list[tuple[DraftCache, torch.Tensor, torch.Tensor]]) -> None:
+    """items [(draft cache, feats [K, taps*H], positions [K])]: each cache's context grows by its
+    rows; the keys / values of all of them come from one pass."""
+    if len(items) == 1:
+        drafter.extend(*items[0])
+        return
+    sizes = [len(p) for _, _, p in items]
+    kv = drafter.context_kv(torch.cat([f for _, f, _ in items]), torch.cat([p for _, _, p in items]))
+    for i, (k, v) in enumerate(kv):  # [nkv, sum K, hd]
+        for (cache, _, _), kj, vj in zip(items, k.split(sizes, 1), v.split(sizes, 1)):
+            cache.append(i, kj, vj)
+    for (cache, _, _), n in zip(items, sizes):
+        cache.length += n
+
+
+def pack(trees: list[Tree], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Trees and their roots' positions -> ids [N], positions [N] (start + depth), rows per tree."""
+    ids = torch.cat([t.tokens for t in trees])                             # [N]
+    pos = torch.cat([s + t.depths for t, s in zip(trees, starts)])        # [N]
+    return ids, pos, [len(t) for t in trees]
+
+
+def max_depth(seq: Seq, limit: int) -> int:
+    """How deep a sequence's tree may go: the tokens still wanted and the context window (bs=1's rule)."""
+    return min(seq.max_new_tokens - seq.stats.new_tokens - 1, limit - seq.start - 2)
+
+
+# ---------------------------------------------------------------- the decoder
+class BatchDecoder:
+    """Continuous batching of decode requests over one target (static backend).
+
+    `add` queues a request, `step` advances every running sequence by one verified tree (and
+    admits waiting ones), `cancel` ends one; requests join and leave between steps. `capacity`:
+    the slot pool (None: sized at the first step for every request added by then)."""
+
+    def __init__(self, target: Target, drafter: Drafter | None = None, capacity: int | None = None,
+                 page_size: int = 16):
+        if not isinstance(target.runner, FastPath):
+            raise TreeflashError(f"batched decoding needs the static backend (Llama / Qwen family); "
+                                 f"the target runs {target.backend}")
+        self.target, self.drafter, self.page_size = target, drafter, page_size
+        self.runner: FastPath = target.runner
+        self.limit = target.max_length
+        self.cache = BatchCache.for_runner(self.runner, capacity, page_size) if capacity else None
+        self.waiting: deque[Seq] = deque()
+        self.running: dict[int, Seq] = {}
+        self.finished: dict[int, Seq] = {}
+        self._next_id = 0
+
+    # ---- requests ----
+    def add(self, prompt_ids: list[int], config: GenerationConfig | None = None, *,
+            proposer: Proposer | None = None, stop_ids: set[int] | None = None) -> int:
+        """Queue a request; returns its id. `config` gives the method (unless `proposer` is given),
+        sampling, max_new_tokens, seed and ignore_eos; `stop_ids` overrides the target's."""
+        cfg = config or GenerationConfig()
+        vocab = self.target.vocab_rows
+        if len(prompt_ids) >= self.limit:
+            raise TreeflashError(f"prompt has {len(prompt_ids)} tokens; the context window is {self.limit}")
+        if cfg.max_new_tokens < 1:
+            raise TreeflashError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+        if proposer is None:
+            proposer = make_proposer(cfg.method, self.drafter, self.target.embed, self.target.drafting_head,
+                                     cfg.tree(vocab))
+        if stop_ids is None:
+            stop_ids = set() if cfg.ignore_eos else self.target.stop_ids()
+        budget = proposer.params.budget
+        need = min(self.limit, len(prompt_ids) + cfg.max_new_tokens) + budget
+        if self.cache is not None and self.cache.pages_for(need) * self.page_size > self.cache.capacity:
+            raise TreeflashError(f"a request of up to {need} tokens exceeds the pool ({self.cache.capacity} slots)")
+        seq = Seq(self._next_id, list(prompt_ids), proposer, cfg.sampling(vocab), cfg.max_new_tokens, set(stop_ids),
+                  torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None, need)
+        if proposer.drafter is not None and budget >= 2:  # bs=1: budget 1 does no drafter work at all
+            seq.dcache = DraftCache(len(proposer.drafter.model.layers))
+            proposer.draft_states = _from_batch(seq)  # the batch drafts every block in one pass
+        proposer.timings = {"draft": 0.0, "tree": 0.0}
+        seq.stats.prompt_tokens = len(prompt_ids)
+        self._next_id += 1
+        self.waiting.append(seq)
+        return seq.id
+
+    def cancel(self, seq_id: int, reason: str = "abort") -> None:
+        """End a waiting or running request now (its tokens so far stay in `finished`)."""
+        for s in self.waiting:
+            if s.id == seq_id:
+                self.waiting.remove(s)
+                s.stats.finish_reason = reason
+                self.finished[seq_id] = s
+                return
+        if seq_id in self.running:
+            self._finish(self.running[seq_id], reason)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----
+    @torch.no_grad()
+    def step(self) -> dict[int, list[int]]:
+        """Advance every running sequence by one tree; admit (prefill) waiting requests that fit.
+        Returns the tokens each sequence emitted in this step."""
+        out: dict[int, list[int]] = {}
+        running = list(self.running.values())
+        if running:
+            self._decode(running, out)
+        new = self._admit()
+        if new:
+            self._prefill(new, out)
+        return out
+
+    def _admit(self) -> list[Seq]:
+        """Waiting requests, first come first served, while their reservations fit the pool."""
+        if self.cache is None:
+            need = sum(-(-s.need // self.page_size) for s in self.waiting) * self.page_size
+            self.cache = BatchCache.for_runner(self.runner, max(need, self.page_size), self.page_size)
+        new = []
+        while self.waiting and self.cache.fits(self.waiting[0].need):
+            s = self.waiting.popleft()
+            self.cache.add(s.id, s.need)
+            s.t_start = time.perf_counter()
+            self.running[s.id] = s
+            new.append(s)
+        return new
+
+    def _forward(self, ids, pos, slots, mask, upcast: bool = False):
+        """One target forward over rows ids, pos, slots [N] with mask [N, W] into the pool ->
+        (logits indexable by row, features [N, taps*H]). As `FastPath._run_eager`."""
+        x = self.runner.decoder.embed_tokens(ids)  # [N, H]
+        dtype = x.dtype
+        if upcast and self.runner.upcast and len(ids) >= UPCAST_MIN_ROWS:  # a long prefill (see fastpath)
+            x = x.float()
+        h, feats = self.runner._decode(x, pos, slots, mask, self.cache.kv, tuple(self.target.tap_ids))
+        return LazyLogits(h.to(dtype), self.runner.model.get_output_embeddings()), feats.to(dtype)
+
+    def _rows(self, parts: list[tuple[int, int, torch.Tensor | None]]):
+        """parts [(seq, n, tree mask [n, n] or None)] -> slots [N] and mask [N, W] of a forward."""
+        slots = torch.cat([self.cache.write(i, n) for i, n, _ in parts])  # [N]
+        width = self.cache.width([i for i, _, _ in parts])
+        return slots, self.cache.step_mask(parts, slots, width)
+
+    def _prefill(self, seqs: list[Seq], out: dict) -> None:
+        t0 = time.perf_counter()
+        dev = self.target.device
+        sizes = [len(s.prompt) for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s.prompt], device=dev)          # [N]
+        pos = torch.cat([torch.arange(n, device=dev) for n in sizes])                # [N]
+        slots, mask = self._rows([(s.id, n, None) for s, n in zip(seqs, sizes)])
+        logits, feats = self._forward(ids, pos, slots, mask, upcast=True)
+        self.cache.compact({s.id: torch.arange(n) for s, n in zip(seqs, sizes)})
+        off = 0
+        for s, n in zip(seqs, sizes):
+            if s.dcache is not None:
+                s.drafter.extend(s.dcache, feats[off:off + n], pos[off:off + n])
+            root = choose(logits[off + n - 1], s.sampling, s.gen)
+            s.start, s.history = n, list(s.prompt)
+            s.stats.prefill_s = time.perf_counter() - t0
+            out[s.id] = self._emit(s, [root])
+            off += n
+
+    def _decode(self, seqs: list[Seq], out: dict) -> None:
+        depths = [max_depth(s, self.limit) for s in seqs]
+        t0 = time.perf_counter()
+        self._draft(seqs, depths)
+        t_draft = time.perf_counter() - t0
+        trees = [s.proposer.propose(s.dcache, s.history[-1], s.start, d, s.history) for s, d in zip(seqs, depths)]
+        t1 = time.perf_counter()
+        ids, pos, sizes = pack(trees, [s.start for s in seqs])
+        dev = self.target.device
+        slots, mask = self._rows([(s.id, len(t), t.ancestor_mask()) for s, t in zip(seqs, trees)])
+        logits, feats = self._forward(ids.to(dev), pos.to(dev), slots, mask)
+        offs = [sum(sizes[:j]) for j in range(len(sizes))]
+        accs = [accept(t, Rows(logits, o, n), s.sampling, s.gen) for s, t, o, n in zip(seqs, trees, offs, sizes)]
+        keeps = {s.id: torch.tensor(a.path, device=dev) for s, a in zip(seqs, accs)}
+        self.cache.compact(keeps)
+        self._commit_contexts(seqs, feats, offs, keeps)
+        t_verify = time.perf_counter() - t1
+        for s, t, a in zip(seqs, trees, accs):
+            s.stats.draft_s += t_draft
+            s.stats.verify_s += t_verify
+            s.stats.record(len(a.accepted), len(t), a.path)
+            s.start += len(a.path)
+            out[s.id] = self._emit(s, a.accepted + [a.bonus])
+
+    def _draft(self, seqs: list[Seq], depths: list[int]) -> None:
+        """Every drafting sequence's block states, one drafter pass per drafter (normally one)."""
+        groups: dict[int, list[tuple[Seq, int]]] = {}
+        for s, md in zip(seqs, depths):
+            d = s.proposer.block_depth(md) if s.dcache is not None else 0
+            if d >= 1:
+                groups.setdefault(id(s.drafter), []).append((s, d))
+        for group in groups.values():
+            drafter, embed = group[0][0].drafter, group[0][0].proposer.embed
+            states = draft_blocks(drafter, embed, [(s.dcache, s.history[-1], s.start, d) for s, d in group])
+            for (s, _), h in zip(group, states):
+                s.ready = h
+
+    def _commit_contexts(self, seqs, feats, offs, keeps) -> None:
+        """The drafter contexts grow by the accepted rows' features, one pass per drafter."""
+        groups: dict[int, list] = {}
+        for s, o in zip(seqs, offs):
+            if s.dcache is not None:
+                keep = keeps[s.id]
+                item = (s.dcache, feats[o + keep], s.start + torch.arange(len(keep), device=keep.device))
+                groups.setdefault(id(s.drafter), [s.drafter]).append(item)
+        for drafter, *items in groups.values():
+            extend_contexts(drafter, items)
+
+    def _emit(self, s: Seq, toks: list[int]) -> list[int]:
+        """Emit tokens with the bs=1 rules: a stop token ends the sequence (emitted); after them,
+        max_new_tokens or a full context window ends it."""
+        new = []
+        for tok in toks:
+            s.stats.new_tokens += 1
+            s.history.append(tok)
+            s.tokens.append(tok)
+            new.append(tok)
+            if tok in s.stop_ids:
+                self._finish(s, "stop")
+                return new
+        if s.stats.new_tokens >= s.max_new_tokens or s.start + 1 >= self.limit:
+            self._finish(s, "length")
+        return new
+
+    def _finish(self, s: Seq, reason: str) -> None:
+        s.stats.finish_reason = reason
+        s.stats.draft_s += s.proposer.timings["draft"]
+        s.stats.tree_s += s.proposer.timings["tree"]
+        s.stats.total_s = time.perf_counter() - s.t_start
+        self.cache.free(s.id)
+        del self.running[s.id]
+        self.finished[s.id] = s
+
+    # ---- a whole batch ----
+    def run(self, seq_ids: list[int], texts: list | None = None) -> list[tuple[list[int], Stats]]:
+        """Step until these sequences end; texts[i] (a `TextAssembler`, optional) reads sequence
+        seq_ids[i]'s tokens and ends it at a stop string. Returns per sequence (token ids, up to
+        the one completing a stop string, and stats)."""
+        readers = dict(zip(seq_ids, texts or [None] * len(seq_ids)))
+        ids: dict[int, list[int]] = {i: [] for i in seq_ids}
+        while any(i not in self.finished for i in seq_ids):
+            for i, toks in self.step().items():
+                for t in toks if i in ids else ():
+                    ids[i].append(t)
+                    if readers[i] is not None:
+                        readers[i].add(t)
+                        if readers[i].stopped:
+                            self.cancel(i, "stop")
+                            break
+        return [(ids[i], self.finished[i].stats) for i in seq_ids]
+
+
+def _from_batch(seq: Seq):
+    """A proposer's `draft_states` that returns its sequence's rows of the batch's drafter pass."""
+    def draft_states(cache, root_token: int, start: int, depth: int) -> torch.Tensor:
+        h, seq.ready = seq.ready, None
+        assert h is not None and h.shape[0] == depth + 1 and start == seq.start, "the batch drafts every block first"
+        return h
+    return draft_states

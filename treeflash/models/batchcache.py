@@ -1,0 +1,171 @@
+"""The KV cache of a batch of sequences: one preallocated slot pool shared by all of them.
+
+Layout: the pool is one `StaticKV` (per layer k, v [1, Hkv, C, D]) cut into pages of P slots. A
+sequence owns a list of pages; its token at logical index j (= its position j) sits in slot
+`pages[j // P] * P + j % P` (`SeqSlots.table`). Per sequence this keeps the bs=1 cache's contract:
+- `length(seq)`: tokens held, positions 0..length-1;
+- `write(seq, n)`: the slots of logical indices length..length+n-1, where a step writes its n
+  new rows (pages taken on demand, lowest free first, so the attended width stays small);
+- `compact({seq: keep})`: keep the written rows `keep` [K] (in order) at length..length+K-1, then
+  hold length+K tokens; pages past them go back to the pool. One gather/scatter per layer for
+  the whole batch.
+The target forward (`FastPath._decode`) writes the pool through `update(k, v, layer, slots)`
+(the `KVCache` contract) and attends over slots [:W] under a bool mask [N, W] (`step_mask`):
+a row of sequence s sees s's held slots and, among the step's new rows, its own tree ancestors.
+Admission (`add`) reserves a sequence's worst case in pages, so no step runs out of slots.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import TreeflashError
+from .kvcache import StaticKV, causal
+
+
+class PoolFull(TreeflashError):
+    """A sequence's reservation does not fit the pool now (wait for others to finish)."""
+
+
+@dataclass
+class SeqSlots:
+    """One sequence's share of the pool."""
+
+    reserved: int                                   # pages it may hold at most
+    pages: list[int] = field(default_factory=list)  # pool pages, in logical order
+    length: int = 0                                 # tokens held (logical 0..length-1)
+    table: torch.Tensor | None = None               # [len(pages) * P] long: logical index -> slot
+
+
+def slot_table(pages: list[int], page_size: int, device) -> torch.Tensor:
+    """pages [G] -> slots [G * P] long: the slot of each logical index."""
+    p = torch.tensor(pages, dtype=torch.long, device=device)  # [G]
+    return (p[:, None] * page_size + torch.arange(page_size, device=device)).flatten()  # [G * P]
+
+
+class BatchCache:
+    """Pool bookkeeping for a batch (see the module's docstring). `kv` is what the forward writes."""
+
+    def __init__(self, kv: StaticKV, page_size: int = 16):
+        if kv.capacity % page_size:
+            raise TreeflashError(f"pool of {kv.capacity} slots is not a whole number of {page_size}-slot pages")
+        self.kv, self.page_size = kv, page_size
+        self.device = kv.k[0].device
+        self.free_pages = list(range(kv.capacity // page_size))  # a heap: lowest page first
+        self.seqs: dict[int, SeqSlots] = {}
+
+    @classmethod
+    def for_runner(cls, runner, capacity: int, page_size: int = 16) -> "BatchCache":
+        """A pool of at least `capacity` slots for a `FastPath` runner's model."""
+        p = next(runner.model.parameters())
+        cap = -(-capacity // page_size) * page_size
+        kv = StaticKV(len(runner.decoder.layers), runner.n_kv, runner.head_dim, cap, p.dtype, p.device)
+        return cls(kv, page_size)
+
+    # ---- admission ----
+    @property
+    def capacity(self) -> int:
+        return self.kv.capacity
+
+    @property
+    def free_slots(self) -> int:
+        """Slots on no sequence's page."""
+        return len(self.free_pages) * self.page_size
+
+    @property
+    def reserved_slots(self) -> int:
+        return sum(s.reserved for s in self.seqs.values()) * self.page_size
+
+    def pages_for(self, slots: int) -> int:
+        return -(-slots // self.page_size)
+
+    def fits(self, need: int) -> bool:
+        """Whether a sequence of at most `need` slots can be added now."""
+        return self.reserved_slots + self.pages_for(need) * self.page_size <= self.capacity
+
+    def add(self, seq_id: int, need: int) -> None:
+        """Reserve `need` slots (the sequence's worst case) for a new sequence."""
+        if seq_id in self.seqs:
+            raise TreeflashError(f"sequence {seq_id} is already in the cache")
+        if self.pages_for(need) * self.page_size > self.capacity:
+            raise TreeflashError(f"a sequence of up to {need} tokens exceeds the pool ({self.capacity} slots)")
+        if not self.fits(need):
+            raise PoolFull(f"{need} slots do not fit: {self.reserved_slots} of {self.capacity} reserved")
+        self.seqs[seq_id] = SeqSlots(self.pages_for(need))
+
+    def free(self, seq_id: int) -> None:
+        """Give a sequence's pages and reservation back."""
+        s = self.seqs.pop(seq_id)
+        for page in s.pages:
+            heapq.heappush(self.free_pages, page)
+
+    # ---- one sequence ----
+    def length(self, seq_id: int) -> int:
+        return self.seqs[seq_id].length
+
+    def held(self, seq_id: int) -> torch.Tensor:
+        """[length] long: the slots of the tokens a sequence holds."""
+        s = self.seqs[seq_id]
+        return s.table[:s.length] if s.table is not None else torch.zeros(0, dtype=torch.long, device=self.device)
+
+    def write(self, seq_id: int, n: int) -> torch.Tensor:
+        """[n] long: the slots of logical indices length..length+n-1 (pages taken as needed)."""
+        s = self.seqs[seq_id]
+        want = self.pages_for(s.length + n)
+        if want > s.reserved:
+            raise TreeflashError(f"sequence {seq_id} writes past its reservation ({s.reserved} pages)")
+        if want > len(s.pages):
+            s.pages += [heapq.heappop(self.free_pages) for _ in range(want - len(s.pages))]
+            s.table = slot_table(s.pages, self.page_size, self.device)
+        return s.table[s.length:s.length + n]
+
+    def _shrink(self, s: SeqSlots) -> None:
+        """Pages past the held tokens go back to the pool."""
+        keep = self.pages_for(s.length)
+        if keep < len(s.pages):
+            for page in s.pages[keep:]:
+                heapq.heappush(self.free_pages, page)
+            s.pages = s.pages[:keep]
+            s.table = s.table[:keep * self.page_size] if keep else None
+
+    # ---- the batch ----
+    def compact(self, keeps: dict[int, torch.Tensor]) -> None:
+        """keeps {seq: keep [K] long}: the written rows (0 = the first written after `length`) each
+        sequence keeps, in order; they move to length..length+K-1 and the sequence holds them."""
+        src, dst = [], []
+        for seq_id, keep in keeps.items():
+            s = self.seqs[seq_id]
+            k = keep.to(self.device)
+            if k.tolist() != list(range(len(k))):  # else already in place (plain decoding always)
+                src.append(s.table[s.length + k])                # [K]
+                dst.append(s.table[s.length:s.length + len(k)])  # [K]
+            s.length += len(k)
+        if src:
+            src_t, dst_t = torch.cat(src), torch.cat(dst)  # [sum K]; disjoint across sequences
+            for kv in self.kv.key_values():
+                for t in kv:
+                    t[:, :, dst_t] = t[:, :, src_t]  # the gather copies first: no aliasing
+        for seq_id in keeps:
+            self._shrink(self.seqs[seq_id])
+
+    def width(self, seq_ids) -> int:
+        """Slots a step over these sequences attends to: up to the last page any of them holds."""
+        last = max((max(self.seqs[i].pages) for i in seq_ids if self.seqs[i].pages), default=-1)
+        return (last + 1) * self.page_size
+
+    def step_mask(self, parts: list[tuple[int, int, torch.Tensor | None]], slots: torch.Tensor,
+                  width: int) -> torch.Tensor:
+        """parts [(seq, n rows, tree mask [n, n] bool or None: causal)] in row order, the new rows'
+        slots [N] (from `write`), width W -> mask [N, W] bool: each row sees its sequence's held
+        slots and its ancestors among that sequence's new rows, nothing else."""
+        mask = torch.zeros(len(slots), width, dtype=torch.bool, device=self.device)  # [N, W]
+        r = 0
+        for seq_id, n, tree in parts:
+            rows = slice(r, r + n)
+            mask[rows, self.held(seq_id)] = True  # [n, L]: the sequence's context
+            among = causal(n, self.device) if tree is None else tree.to(self.device)  # [n, n]
+            mask[rows, slots[rows]] = among
+            r += n
+        return mask
