@@ -102,3 +102,22 @@ def test_auto_tree_size_is_calibrated_once_per_machine(tmp_path, monkeypatch):
     Engine(target, tiny_drafter(target, seed=5)).auto_tree_size(method="treeflash", top_m=3, top_k=3,
                                                                 max_budget=12, tokens=8)
     assert calls  # other weights: calibrated again
+
+
+def test_auto_decodes_plainly_where_speculation_cannot_pay(tmp_path, monkeypatch):
+    """When the cost model finds no tree that beats plain decoding, auto says so and the generation
+    runs plain steps (no drafter pass, root-only trees), still token-identical."""
+    monkeypatch.setattr(costmodel, "CACHE_FILE", tmp_path / "costs.json")
+    monkeypatch.setattr(costmodel, "best_budget", lambda *a, **kw: (1, 10.0))
+    target = tiny_target("qwen2").set_backend("static")
+    target.tokenizer.chat_template = None
+    monkeypatch.setattr(type(target), "encode", lambda self, prompt, chat=True: PROMPT)
+    engine = Engine(target, tiny_drafter(target))
+    choice = engine.auto_tree_size(method="treeflash+lookup", top_m=3, top_k=3, max_budget=12, tokens=8)
+    assert choice.budget == 1 and "decoding plainly" in choice.summary()
+    drafted = []
+    monkeypatch.setattr(type(engine.drafter), "draft", lambda *a, **kw: drafted.append(1))
+    stats = Stats()
+    out = list(engine.tokens(PROMPT, method="treeflash+lookup", max_new_tokens=6, tree_size="auto", top_m=3,
+                             top_k=3, ignore_eos=True, stats=stats))
+    assert out == vanilla(target, PROMPT, 6) and not drafted and set(stats.tree_sizes) == {1}

@@ -50,6 +50,10 @@ class AutoChoice:
     verify_costs: dict        # {tree size: seconds per forward}
 
     def summary(self) -> str:
+        if self.budget == 1 and self.method != "vanilla":
+            return (f"tree size auto -> 1: speculation does not pay on this machine for {self.method} (1-node "
+                    f"forward {self.verify_costs.get(1, 0) * 1e3:.1f} ms, draft {self.draft_s * 1e3:.1f} ms/step); "
+                    "decoding plainly")
         return (f"tree size auto -> {self.budget} for {self.method} (expected tau {self.expected_tau:.2f}, "
                 f"{self.expected_tokens_per_s:.1f} tok/s; 1-node forward {self.verify_costs.get(1, 0) * 1e3:.1f} ms "
                 f"+ LM head {self.verify_costs.get(0, 0) * 1e3:.1f} ms/row, draft {self.draft_s * 1e3:.1f} ms/step)")
@@ -86,7 +90,8 @@ class Engine:
         self._bind()
         vocab = self.target.vocab_rows
         budget = self.auto_tree_size(cfg).budget if cfg.tree_size == "auto" else cfg.tree_size
-        proposer = make_proposer(cfg.method, self.drafter, self.target.embed, self.target.drafting_head,
+        method = cfg.method if budget > 1 else "vanilla"  # a budget of 1 is the root alone: plain decoding
+        proposer = make_proposer(method, self.drafter, self.target.embed, self.target.drafting_head,
                                  cfg.tree(vocab, budget))
         if self.drafter is not None:  # the compiled backend compiles the drafter's block pass too
             backend = self.target.backend

@@ -64,7 +64,8 @@ def _opt(default, help: str, **cli):
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    method: str = _opt("treeflash", "decoding method", choices=METHODS)
+    method: str = _opt("treeflash+lookup", "decoding method (treeflash+lookup: the drafter's TreeFlash tree "
+                                             "with branches copied from the text's own repeats)", choices=METHODS)
     tree_size: int | str = _opt(
         8, "nodes verified per step, root included (default 8; docs/performance.md has the measured "
            "choice per machine); auto: the budget that maximises expected tokens/s here, from the "
