@@ -1,6 +1,5 @@
 """Lookup branches: the n-gram index against brute force, the merged best-first tree against
 enumeration, the calibration counts by hand, and greedy losslessness of every +lookup method."""
-import itertools
 import math
 import random
 
@@ -260,6 +259,25 @@ def test_selftest_exactness_rows_cover_every_method():
 
     rows = exactness("cpu", budgets=(5,), n=12)
     fp32 = [r for r in rows if r["dtype"] == "float32"]
-    assert {r["method"] for r in fp32} == set(METHODS[1:]) and {r["arch"] for r in fp32} == set(ARCHS)
+    assert {r["method"] for r in fp32} == set(METHODS) and {r["arch"] for r in fp32} == set(ARCHS)
+    assert {r["backend"] for r in fp32} == {"hf", "static"}
     assert all(r["identical"] and r["tokens_before_first_difference"] == 12 for r in fp32)
     assert any(r["tau"] > 1 for r in fp32)  # drafts were accepted: the comparison saw tree steps
+
+
+def test_selftest_catches_a_backend_that_loses_its_cache(monkeypatch):
+    """The selftest's reference is a full recompute, not the backend's own plain decoding: a backend
+    whose steps silently run without their KV cache (an unknown cache argument swallowed by **kwargs,
+    as an older transformers did) fails every method, plain decoding included."""
+    from treeflash.bench.selftest import exactness
+    from treeflash.models import target as target_mod
+
+    init = target_mod.HFPath.__init__
+
+    def lossy(self, *a, **kw):
+        init(self, *a, **kw)
+        self.cache_arg = "kv_cache_under_a_name_the_model_ignores"
+
+    monkeypatch.setattr(target_mod.HFPath, "__init__", lossy)
+    rows = [r for r in exactness("cpu", budgets=(5,), n=8, backends=("hf",)) if r["dtype"] == "float32"]
+    assert not any(r["identical"] for r in rows if r["method"] == "vanilla")

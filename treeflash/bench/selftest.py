@@ -1,7 +1,7 @@
 """`treeflash selftest`: exactness and a greedy bench on one device, as one JSON report.
 
 Made for a GPU machine that has PyTorch and transformers but no package registry and no room for
-the offline targets' weights (`make gpu-check`; docs/performance.md says how to run it):
+the offline targets' weights (`make gpu-check`; docs/performance.md, "GPU check", says how to run it):
 
 1. exactness: every method and several budgets on tiny random Llama / Qwen2 / Qwen3 targets, fp32
    on the device, greedy output compared token by token with plain decoding (any difference fails
@@ -91,8 +91,22 @@ def greedy(target, method: str, drafter, prompt: list[int], n: int, budget: int)
     return out, stats
 
 
-def exactness(device: str, budgets=(2, 8, 33), n: int = 48) -> list[dict]:
-    """Rows {arch, dtype, method, budget, identical, tau}; fp32 rows must be identical."""
+def recompute_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens from the model's own forward over the whole sequence at every step: no KV cache,
+    no tree, no backend of ours (the reference that catches a backend's own bug)."""
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+def exactness(device: str, budgets=(2, 8, 33), n: int = 48, backends=("hf", "static")) -> list[dict]:
+    """Rows {arch, dtype, backend, method, budget, identical, tau}: every method (plain decoding too) on
+    every backend against `recompute_greedy`; fp32 rows must be identical."""
     import torch
 
     from ..models.drafter import random_drafter
@@ -105,14 +119,17 @@ def exactness(device: str, budgets=(2, 8, 33), n: int = 48) -> list[dict]:
             target = tiny_target(arch, logit_scale=3.0, device=device, dtype=dtype)
             drafter = random_drafter(target, seed=1, num_layers=1, num_taps=2, block_size=8)
             target.set_taps(drafter.config.target_layer_ids)
-            ref, _ = greedy(target, "vanilla", None, prompt, n, 1)
-            for method in METHODS[1:]:
-                for b in budgets:
-                    out, st = greedy(target, method, drafter, prompt, n, b)
-                    same = next((i for i, (a, c) in enumerate(zip(out, ref)) if a != c), len(ref))
-                    rows.append({"arch": arch, "dtype": str(dtype).split(".")[1], "method": method, "budget": b,
-                                 "identical": out == ref, "tokens_before_first_difference": same,
-                                 "tau": round(st.mean_acceptance_length, 3)})
+            ref = recompute_greedy(target.model, prompt, n)
+            for backend in backends:
+                target.set_backend(backend)
+                for method in METHODS:
+                    for b in ([1] if method == "vanilla" else budgets):
+                        out, st = greedy(target, method, drafter, prompt, n, b)
+                        same = next((i for i, (a, c) in enumerate(zip(out, ref)) if a != c), len(ref))
+                        rows.append({"arch": arch, "dtype": str(dtype).split(".")[1], "backend": target.backend,
+                                     "method": method, "budget": b, "identical": out == ref,
+                                     "tokens_before_first_difference": same,
+                                     "tau": round(st.mean_acceptance_length, 3)})
     return rows
 
 
