@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from treeflash.api import random_drafter
-from treeflash.bench.selftest import ARCHS, NoTokenizer, tiny_target  # noqa: F401 (shared with the selftest)
+from treeflash.bench.selftest import tiny_target  # shared with the selftest; tests import it from here
 from treeflash.decoding.generate import Stats, decode
 from treeflash.decoding.lookup import LookupParams
 from treeflash.decoding.proposers import Chain, Marginal, TreeFlash, TreeParams, Vanilla

@@ -1,6 +1,5 @@
 """--tree-size auto: the cost model, per-node acceptance statistics and the engine's choice."""
 import pytest
-import torch
 
 from treeflash.api import Engine
 from treeflash.decoding import costmodel

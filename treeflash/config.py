@@ -73,15 +73,15 @@ class GenerationConfig:
         type=tree_size_arg)
     top_m: int = _opt(8, "TreeFlash stage-1 candidates per position")
     top_k: int = _opt(8, "TreeFlash stage-2 children per candidate")
-    # measured (docs/performance.md §12-13): 64 columns make the heads 0.35-1.4 ms faster at budgets 3-8
-    # for at most 0.6 % less tau; at budget 16 they cost MT-Bench 1.2 % of tau (2.209 -> 2.183), so
-    # wide trees get more
+    # docs/performance.md, "Stage-2 columns": 64 columns make the heads cheaper at small budgets for
+    # almost no tau; at budget 16 they cost MT-Bench noticeably more tau, so wide trees get more
     stage2_vocab: int | str = _opt(
         "auto", "TreeFlash stage 2 scores each position's top-N marginal tokens (0 = all; auto: 64 up to "
                 "budget 4, 16 per node above, at most 256)", type=tree_size_arg)
     draft_vocab: bool = _opt(True, "propose only from the drafter's draft vocabulary when it ships one",
                              action=argparse.BooleanOptionalAction)
-    # measured: budget 3 on AVX2 bf16, 1.1 ms less per step for 1 % less tau (docs/performance.md §12)
+    # docs/performance.md, "Drafter block length": at budget 3 on AVX2 bf16, about 1 ms less per step
+    # for slightly lower tau
     block_len: int = _opt(0, "rows of the drafter's block pass, root included (0 = as deep as the tree "
                              "reaches: the tree size, at most the drafter's block; N: N rows, at most the block)")
     temperature: float = _opt(0.0, "0 = greedy")
@@ -204,7 +204,7 @@ class TreeParams:
     # "auto" becomes `auto_stage2_vocab(budget)` on construction.
     stage2_vocab: int = GenerationConfig.stage2_vocab
     # Propose only from the drafter's draft vocabulary when it has one (its LM head then runs over
-    # those rows; measured: see docs/performance.md). False: the whole vocabulary.
+    # those rows; docs/performance.md, "Draft vocabulary"). False: the whole vocabulary.
     draft_vocab: bool = GenerationConfig.draft_vocab
     # Rows of the drafter's block pass, root included (0: the budget; capped at the drafter's block).
     block_len: int = GenerationConfig.block_len

@@ -23,7 +23,7 @@ from ..config import GenerationConfig
 from ..decoding.generate import Stats
 from ..errors import TreeflashError
 from ..models import registry
-from .arms import ALL_METHODS, HF_METHODS, LLAMA_SERVER_METHODS, TREE_METHODS, Generation, Method  # noqa: F401
+from .arms import HF_METHODS, LLAMA_SERVER_METHODS, TREE_METHODS, Generation, Method
 
 PROMPT_LOOKUP_TOKENS = 10  # HF's documented default suggestion for prompt lookup
 

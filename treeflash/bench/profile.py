@@ -11,7 +11,6 @@ excluded. Methods run interleaved, prompt by prompt.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys

@@ -156,8 +156,8 @@ class DraftHeads:
         graph per depth). Returns (candidate columns [D, m], stage-2 columns [1 + (D-1)*m, k], their
         log-probs), or None where the graph does not apply (no draft vocabulary or previous-token
         table). A root outside the draft vocabulary (about one step in eight on HumanEval) gets its
-        previous-token half computed here rather than read from the table: the eager heads it fell
-        back to before cost about 5 ms against the graph's 2 (docs/performance.md §15)."""
+        previous-token half computed here rather than read from the table, so those steps run the
+        graph too, not the dearer eager heads (docs/performance.md, "Compiled TreeFlash heads")."""
         table, D = self.prev_table(), h.shape[0] - 1
         if table is None or self.vocab is None or not 1 <= D <= depth:
             return None
@@ -190,9 +190,10 @@ class TablesGraph(nn.Module):
     fixed shape: D positions, top-m candidates, stage 2 over each position's top `n_cols` columns,
     top-k children. The weights it reads (the draft vocabulary's LM-head rows, the previous-token
     table, the AR correction) are module constants, so inductor's freezing prepacks them and, on
-    backend compiled-cpp, runs their matmuls in its C++ GEMM template: eagerly, ATen's bf16 GEMM of
-    3 rows over the 8k draft-vocabulary rows alone cost 1.6 ms on an AVX2 CPU (docs/performance.md,
-    "Compiled TreeFlash heads"). Stage 2's column logits are a gathered dot product (no GEMM)."""
+    backend compiled-cpp, runs their matmuls in its C++ GEMM template, where ATen's eager bf16 GEMM of
+    a few rows over the 8k draft-vocabulary rows is slow on AVX2 CPUs: the compiled heads cost about
+    half the eager ones (docs/performance.md, "Compiled TreeFlash heads"). Stage 2's column logits
+    are a gathered dot product (no GEMM)."""
 
     def __init__(self, heads: DraftHeads, m: int, k: int, n_cols: int, depth: int, cpp_gemm: bool):
         super().__init__()

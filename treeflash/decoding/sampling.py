@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import GREEDY_BELOW, SamplingParams  # noqa: F401 (the sampler's parameters, checked with the config)
+# GREEDY_BELOW is re-exported (serve/schemas.py imports it from here)
+from ..config import GREEDY_BELOW, SamplingParams  # noqa: F401
 
 
 def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

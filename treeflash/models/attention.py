@@ -9,7 +9,7 @@ from torch import nn
 def stacked_attention(q, keys, values, mask=None, scale=None) -> torch.Tensor:
     """Grouped-query attention with the g = Hq/Hkv query heads of each KV head stacked as g*N rows
     of one head (row i*N + n: head h*g + i, row n; the mask repeated per head), which ATen's CPU flash
-    attention runs faster than broadcast KV heads for a few rows (docs/performance.md §11-12).
+    attention runs faster than broadcast KV heads for a few rows (docs/performance.md, "Stacked query heads").
     q [1, Hq, N, D], keys/values [1, Hkv, S, D], mask [N, S] bool or None -> [1, Hq, N, D]."""
     hq, n, d = q.shape[1:]
     g = hq // keys.shape[1]

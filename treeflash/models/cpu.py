@@ -2,9 +2,10 @@
 
 Long flat sequences (a prefill of >= `UPCAST_MIN_ROWS` tokens) of a bfloat16 model on a CPU
 without AMX compute in float32 from the bf16 weights (upcast per matmul) and store bf16 keys and
-values: there bf16 matmuls with many rows run at ~160 GF/s against ~290 GF/s in float32 (measured,
-docs/performance.md). The target's fast path (`fastpath.FastPath`) and the drafter's context pass
-(`drafter.Drafter.context_kv`) both follow `upcast_pays`, so every method shares one prefill.
+values: there bf16 matmuls with many rows run slower than float32 ones (docs/performance.md,
+"dtype: `auto`, bf16 and float32"). The target's fast path (`fastpath.FastPath`) and the drafter's
+context pass (`drafter.Drafter.context_kv`) both follow `upcast_pays`, so every method shares one
+prefill.
 """
 from __future__ import annotations
 

@@ -17,8 +17,9 @@ One decoder function (`_decode`), two modes; both return (logits, features), log
 - compiled with `cpp_gemm=True` (backend `compiled-cpp`): the same graph, but every matmul is
   inductor's C++ GEMM template (max-autotune with the CPP backend as the only choice, so nothing is
   benchmarked). Where the default kernels cost more with each row (MKL's packed fp32 and ATen's bf16
-  GEMM on AVX2 CPUs without AVX-512), its cost stays near flat from 1 to 4 rows (measured in
-  docs/training.md). It needs an x86 CPU with AVX2 or AVX-512; compiling takes minutes per tree size.
+  GEMM on AVX2 CPUs without AVX-512), its cost stays near flat from 1 to 4 rows (docs/performance.md,
+  "Backends (`--backend`)"; `treeflash profile --verify-costs compiled,compiled-cpp` measures it).
+  It needs an x86 CPU with AVX2 or AVX-512; compiling takes minutes per tree size.
 
 Long flat sequences of a bfloat16 model compute in float32 where that pays (`cpu.upcast_pays`).
 Beside this file: `kvcache` (the caches), `attention` (stacked attention, `linear`), `inductor`
@@ -127,8 +128,8 @@ class FastPath:
         # upcast long prefills (not with quantized or unfused layers: those keep their own kernels)
         self.upcast = upcast_pays(p.dtype, p.device) and all(f.qkv is not None and f.gate_up is not None
                                                              for f in self.fused)
-        # attention in float32 there too: ATen's bf16 CPU attention for a 1-token query costs ~6x
-        # its float32 (docs/performance.md, "Attention in float32")
+        # attention in float32 there too: ATen's bf16 CPU attention for a 1-token query costs several
+        # times its float32 (docs/performance.md, "Attention in float32")
         self.attn_dtype = torch.float32 if upcast_pays(p.dtype, p.device) else None
 
     # ---- cache ----
@@ -190,8 +191,8 @@ class FastPath:
         A step of 2-4 rows (a small tree) stacks the g = Hq/Hkv query heads that share a KV head
         as g*N rows of one head (row gi*N + n: head h*g + gi, node n; the mask repeated per head):
         ATen's CPU flash attention then runs Hkv heads of g*N rows instead of Hq heads of N rows
-        with the KV heads broadcast, which cost a 3-row step 2 ms more on an AVX2 CPU
-        (docs/performance.md §11). One row keeps the broadcast form: it is faster there."""
+        with the KV heads broadcast, which is slower for 2-4 rows on an AVX2 CPU (docs/performance.md,
+        "Stacked query heads"). One row keeps the broadcast form: it is faster there."""
         n = q.shape[2]
         if 1 < n <= GROUPED_MAX_ROWS and q.shape[1] > self.n_kv:
             return stacked_attention(q, keys, values, mask, self.scaling).to(dtype)

@@ -44,11 +44,11 @@ _THROUGH_SELF = re.compile(r"(?<![\w'\"])self\b")
 def skip_guards_through_self(entries) -> list[bool]:
     """torch.compile's `guard_filter_fn` for a compiled bound method: keep the guards on its
     arguments and on global state, drop those reached through `self`. A frozen graph has its
-    weights folded in, so guarding them is moot. A compiled target step has ~3,500 guards, nearly
-    all through `self`: checking its matching entry took 229 us with them and 25 us without, and
-    dynamo's cache lookup per plain step fell from 887 to 146 us (profiled; docs/performance.md
-    §14). Safe only with `isolate_recompiles` (see
-    `compile_frozen`): otherwise another instance's call would find this instance's graph."""
+    weights folded in, so guarding them is moot. A compiled target step has thousands of guards,
+    nearly all through `self`; dropping them removes most of dynamo's per-call overhead
+    (docs/performance.md, "Guards only on a compiled step's arguments"). Safe only with
+    `isolate_recompiles` (see `compile_frozen`): otherwise another instance's call would find this
+    instance's graph."""
     return [not _THROUGH_SELF.search(e.name) for e in entries]
 
 

@@ -5,8 +5,9 @@ input channels (scale and zero point per group), `_weight_int4pack_mm_for_cpu` (
 layout); activations stay in the model's dtype (int4 computes in bfloat16). This changes the target
 (greedy output agrees with the unquantized model on most but not all tokens; `treeflash bench`
 reports the agreement), so speculative decoding is lossless with respect to the *quantized*
-target. Measured here (1 thread): a 1-row matmul against the 49k x 576 LM head takes 2.1 ms in
-int8 vs 5.9 ms in bf16; at 16 rows 15.4 vs 18.4 ms (see docs/performance.md).
+target. int8 makes a one-row forward much cheaper than bf16 while a 16-row one costs about the same,
+so trees become relatively dearer (docs/performance.md, "Quantized targets (`--quantize int8|int4`)";
+`treeflash profile --quantize int8 --verify-costs static` measures it).
 """
 from __future__ import annotations
 

@@ -249,8 +249,9 @@ def run_plot(args) -> int:
 def load_prompts(name: str, n: int) -> list[list[str]]:
     """Each prompt is a list of user turns (MT-Bench has two): the n prompts of the bench dataset
     `name` that `treeflash bench --datasets NAME --num-prompts n` runs, worded as it words them
-    (bench/datasets.py; a `bench:` prefix, as earlier versions took, is accepted). Reports before
-    this change (docs/training.md) measured the first n items in their own wording."""
+    (bench/datasets.py; a `bench:` prefix is accepted and ignored). The tau figures in
+    docs/drafter-recipe.md were measured on the first n items of each set in their own wording, so
+    these prompts can give slightly different figures."""
     from ..bench.datasets import sample_prompts
 
     return [s.turns for s in sample_prompts(name.removeprefix("bench:"), n)]

@@ -36,7 +36,7 @@ from .objective import BatchObjective, DraftObjective, LossConfig, block_inputs,
 from .train_config import TrainConfig
 
 
-# Options of earlier versions that a checkpoint's state.json may still record, with their off value.
+# Removed options that an older checkpoint's state.json may still record, with their off value.
 # A run that used one cannot be resumed as it was trained.
 REMOVED_OPTIONS = {"grow_layers": 0, "short_blocks": 0.0}
 
