@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -48,6 +48,16 @@ class AutoChoice:
     expected_tau: float
     draft_s: float            # per step
     verify_costs: dict        # {tree size: seconds per forward}
+    # what the choice came from, for the batch size-adaptive budget (`costmodel.adaptive_budget`):
+    # per best-first node acceptance, and the drafting cost (at budget 2, at the largest, max depth)
+    node_accept: list = field(default_factory=list)
+    draft_costs: tuple = ()
+
+    def draft_fn(self):
+        """Drafting seconds per step as a function of the budget (`costmodel.draft_cost`)."""
+        from .decoding import costmodel
+
+        return costmodel.draft_cost(*self.draft_costs) if self.draft_costs else (lambda _b: self.draft_s)
 
     def summary(self) -> str:
         if self.budget == 1 and self.method != "vanilla":
@@ -131,11 +141,14 @@ class Engine:
         method = cfg.method
         disk_key = "|".join([costmodel.machine_key(self.target, 256), self._drafter_id(), repr(key[:-2]), str(max_budget)])
         saved = costmodel.saved_choice(disk_key) if method != "vanilla" else None
+        if saved is not None and "node_accept" not in saved:
+            saved = None  # saved before the choice kept what the batch-adaptive budget reads: calibrate again
         if method == "vanilla" or (self.drafter is None and method != "lookup"):
             choice = AutoChoice(method, 1, 0.0, 1.0, 0.0, {})
         elif saved is not None:  # calibrated by an earlier process on this machine
             choice = AutoChoice(method, saved["budget"], saved["expected_tokens_per_s"], saved["expected_tau"],
-                                saved["draft_s"], costmodel.measure(self.target))
+                                saved["draft_s"], costmodel.measure(self.target), saved.get("node_accept", []),
+                                tuple(saved.get("draft_costs", ())))
         else:
             costs = costmodel.measure(self.target)  # with this drafter's taps: they are part of a forward
             calib = cfg.replace(temperature=0.0, stop=(), seed=None, ignore_eos=True)
@@ -150,17 +163,19 @@ class Engine:
                         pass
             # drafting cost per step at budget 2 and at max_budget (the heads run as deep as the
             # budget reaches, so small budgets draft for less), linear in between by head depth
-            draft = costmodel.draft_cost(
-                (small.draft_s + small.tree_s) / max(1, small.steps), (stats.draft_s + stats.tree_s) / max(1, stats.steps),
-                self.drafter.block_size - 1 if self.drafter is not None else 1)
+            draft_costs = ((small.draft_s + small.tree_s) / max(1, small.steps),
+                           (stats.draft_s + stats.tree_s) / max(1, stats.steps),
+                           self.drafter.block_size - 1 if self.drafter is not None else 1)
+            draft = costmodel.draft_cost(*draft_costs)
             node_accept = stats.node_acceptance()
             # lookup trees are smaller than the budget where the text does not repeat
             sizes = stats.tree_sizes if "lookup" in method else None
             budget, rate = costmodel.best_budget(costs, node_accept, draft, range(2, max_budget + 1), sizes)
             choice = AutoChoice(method, budget, rate, costmodel.expected_tau(node_accept, budget),
-                                draft(budget) if budget > 1 else 0.0, costs)
+                                draft(budget) if budget > 1 else 0.0, costs, list(node_accept), draft_costs)
             costmodel.save_choice(disk_key, {"budget": budget, "expected_tokens_per_s": rate,
-                                             "expected_tau": choice.expected_tau, "draft_s": choice.draft_s})
+                                             "expected_tau": choice.expected_tau, "draft_s": choice.draft_s,
+                                             "node_accept": list(node_accept), "draft_costs": list(draft_costs)})
         self.auto[key] = choice
         return choice
 

@@ -24,6 +24,7 @@ COMMANDS = {
     "chat": ("treeflash.serve.cli", "chat in the terminal (streaming, multi-turn; /reset, /exit)"),
     "serve": ("treeflash.serve.cli", "serve the OpenAI API (chat/completions, completions, models, metrics)"),
     "bench": ("treeflash.bench.cli", "benchmark acceptance length and speed against peers"),
+    "bench-load": ("treeflash.bench.load", "load-test a running server with N concurrent streaming clients"),
     "profile": ("treeflash.bench.profile", "time the parts of a speculative step (target, drafter, tree, cache)"),
     "selftest": ("treeflash.bench.selftest", "exactness on this device and a greedy bench, as one JSON report"),
     "export": ("treeflash.cli_export", "write a drafter in the published DFlash / TreeFlash checkpoint layout"),

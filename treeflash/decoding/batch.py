@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -52,6 +52,7 @@ class Seq:
     stop_ids: set[int]
     gen: torch.Generator | None
     need: int                                # worst-case cache slots (its reservation)
+    max_budget: int = 1                      # the budget its reservation allows (`set_budget`)
     stats: Stats = field(default_factory=Stats)
     dcache: DraftCache | None = None         # the drafter's context (None: no drafting)
     history: list[int] = field(default_factory=list)  # prompt + emitted tokens (ends with the root)
@@ -190,7 +191,7 @@ class BatchDecoder:
         if self.cache is not None and self.cache.pages_for(need) * self.page_size > self.cache.capacity:
             raise TreeflashError(f"a request of up to {need} tokens exceeds the pool ({self.cache.capacity} slots)")
         seq = Seq(self._next_id, list(prompt_ids), proposer, cfg.sampling(vocab), cfg.max_new_tokens, set(stop_ids),
-                  torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None, need)
+                  torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None, need, budget)
         if proposer.drafter is not None and budget >= 2:  # bs=1: budget 1 does no drafter work at all
             seq.dcache = DraftCache(len(proposer.drafter.model.layers))
             proposer.draft_states = _from_batch(seq)  # the batch drafts every block in one pass
@@ -210,6 +211,18 @@ class BatchDecoder:
                 return
         if seq_id in self.running:
             self._finish(self.running[seq_id], reason)
+
+    def set_budget(self, seq_id: int, budget: int) -> int:
+        """A waiting or running sequence's tree budget from its next step on (the proposer reads
+        `params.budget` each step), within 1..the budget it was added with (its reservation and
+        drafter context assume at most that); returns the budget set. Any budget is lossless."""
+        seq = self.running.get(seq_id) or next((s for s in self.waiting if s.id == seq_id), None)
+        if seq is None:
+            raise TreeflashError(f"no waiting or running sequence {seq_id}")
+        budget = max(1, min(int(budget), seq.max_budget))
+        if seq.proposer.params.budget != budget:
+            seq.proposer.params = replace(seq.proposer.params, budget=budget)
+        return budget
 
     @property
     def busy(self) -> bool:

@@ -180,3 +180,39 @@ def best_budget(costs: dict[int, float], node_accept: list[float], draft_s,
         if rate > best[1]:
             best = (b, rate)
     return best
+
+
+def rows_cost(costs: dict[int, float], n: int) -> float:
+    """Cost of a forward over n rows in total (a batch's trees together): `interpolate` within the
+    measured sizes, and beyond the largest the last measured slope carried on (a batch of B trees
+    of b nodes verifies B*b rows, far past the 64 measured; flat there would make them free)."""
+    xs = sorted(k for k in costs if k > 0)
+    if n <= xs[-1] or len(xs) < 2:
+        return interpolate(costs, n)
+    a, b = xs[-2], xs[-1]
+    return costs[b] + (costs[b] - costs[a]) / (b - a) * (n - b)
+
+
+def batch_rate(costs: dict[int, float], node_accept: list[float], draft_s, batch_size: int, budget: int) -> float:
+    """Expected tokens/s of a batch of `batch_size` sequences, each verifying a tree of `budget`
+    nodes per step: B * tau(b) / (B * draft(b) + forward(B * b rows) + B * tau(b) * head).
+    draft_s: one sequence's drafting seconds per step (or a function of the budget): the heads and
+    the tree search run per sequence. Budget 1 is plain decoding (no drafting)."""
+    head, B = costs.get(0, 0.0), batch_size
+    draft = 0.0 if budget < 2 else (draft_s(budget) if callable(draft_s) else draft_s)
+    tau = expected_tau(node_accept, budget)
+    return B * tau / (B * draft + rows_cost(costs, B * budget) + B * tau * head)
+
+
+def adaptive_budget(costs: dict[int, float], node_accept: list[float], draft_s, batch_size: int,
+                    max_budget: int) -> int:
+    """The per-sequence tree budget in 1..max_budget that maximises the batch's expected tokens/s
+    (`batch_rate`) at this batch size: `best_budget`'s choice at batch 1, shrinking towards 1
+    (plain decoding) as the batch's rows make the verify forward dear (serve --max-batch with
+    --tree-size auto)."""
+    best, best_rate = 1, batch_rate(costs, node_accept, draft_s, max(1, batch_size), 1)
+    for b in range(2, max_budget + 1):
+        rate = batch_rate(costs, node_accept, draft_s, max(1, batch_size), b)
+        if rate > best_rate:
+            best, best_rate = b, rate
+    return best

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .metrics import Metrics
 from .schemas import (MAX_STOP, MAX_STOP_CHARS, ApiError, ChatCompletionRequest, CompletionRequest,
                       GenerationRequest, chat_chunk, chat_response, completion_response, error_body, new_id, usage)
+from .batch_worker import BatchWorker
 from .worker import Done, Job, ServeConfig, Worker
 
 CHARS_PER_TOKEN_BOUND = 64  # a prompt longer than this many chars per allowed token is refused untokenised
@@ -58,7 +59,7 @@ class BearerAuth:
 
 def create_app(engine, config: ServeConfig) -> FastAPI:
     metrics = Metrics(config.model_name)
-    worker = Worker(engine, config, metrics)
+    worker = (BatchWorker if config.max_batch > 1 else Worker)(engine, config, metrics)
     max_context = engine.target.max_length
 
     @asynccontextmanager
@@ -135,7 +136,7 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         if not worker.thread.is_alive():
             return JSONResponse({"status": "worker stopped"}, status_code=503)
         return {"status": "ok", "model": config.model_name, "running": worker.running,
-                "waiting": worker.queue.qsize()}
+                "waiting": worker.waiting}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics():

@@ -21,6 +21,10 @@ def register(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longest prompt in tokens (default: the context window)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="requests decoded together (continuous batching; > 1 needs the static backend; the KV "
+                        "pool holds this many requests of --max-tokens-limit tokens; with --tree-size auto each "
+                        "request's tree shrinks as the batch fills) (default: 1, one at a time)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
 
@@ -64,7 +68,7 @@ def _config(args, model_name: str):
     from ..config import GenerationConfig
     from .worker import ServeConfig
 
-    for name in ("max_tokens_limit", "max_new_tokens", "max_queue"):
+    for name in ("max_tokens_limit", "max_new_tokens", "max_queue", "max_batch"):
         if getattr(args, name) < 1:
             raise TreeflashError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_new_tokens > args.max_tokens_limit:
@@ -73,7 +77,7 @@ def _config(args, model_name: str):
         raise TreeflashError("--max-prompt-tokens must be >= 1")
     return ServeConfig(model_name=model_name, generation=GenerationConfig.from_args(args),
                        max_tokens_limit=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
-                       api_key=args.api_key, max_queue=args.max_queue)
+                       api_key=args.api_key, max_queue=args.max_queue, max_batch=args.max_batch)
 
 
 def _warm_up(engine, config) -> None:
@@ -94,11 +98,20 @@ def run_serve(args) -> int:
         print(f"treeflash: warning: serving on {args.host} without --api-key", file=sys.stderr)
     engine = _load_engine(args)
     from ..cli_generate import generation_config
+    from .batch_worker import check_batchable
 
+    check_batchable(engine, config.max_batch)  # before the (slow) --tree-size auto calibration
     config.generation = generation_config(engine, args)  # checked; --tree-size auto resolved
+    if config.max_batch > 1 and args.tree_size == "auto":  # the batch's budgets follow the load
+        from ..config import GenerationConfig
+
+        config.auto_budget = engine.auto_tree_size(engine.config(GenerationConfig.from_args(args)))  # memoised
     _warm_up(engine, config)
     app = create_app(engine, config)
-    print(f"treeflash: serving {config.model_name!r} ({args.method}, tree size {config.generation.tree_size}) "
+    batch = f", batches of up to {config.max_batch}" if config.max_batch > 1 else ""
+    adaptive = " at batch 1, load-adaptive" if config.auto_budget is not None else ""
+    print(f"treeflash: serving {config.model_name!r} ({args.method}, tree size {config.generation.tree_size}"
+          f"{adaptive}{batch}) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5)

@@ -1,6 +1,6 @@
 """Prometheus text-format metrics, named like vLLM's so existing dashboards carry over.
 
-Written by hand (no prometheus_client dependency): a handful of counters, two gauges and
+Written by hand (no prometheus_client dependency): a handful of counters, a few gauges and
 latency histograms, all updated under one lock by the worker thread and the HTTP handlers.
 """
 from __future__ import annotations
@@ -67,6 +67,7 @@ class Metrics:
         self.errors = defaultdict(int)   # http status -> count
         self.running = 0
         self.waiting = 0
+        self.tree_budget = None  # --max-batch with --tree-size auto: this step's per-request budget
         self.e2e = Histogram()
         self.ttft = Histogram()
         self.queue_time = Histogram()
@@ -102,6 +103,10 @@ class Metrics:
         with self.lock:
             self.running, self.waiting = running, waiting
 
+    def set_tree_budget(self, budget: int) -> None:
+        with self.lock:
+            self.tree_budget = budget
+
     # ---- exposition ----
     def render(self) -> str:
         m = {"model_name": self.model}
@@ -115,6 +120,9 @@ class Metrics:
                    [f"vllm:num_requests_running{_labels(**m)} {self.running}"])
             metric("vllm:num_requests_waiting", "gauge", "Requests queued for the worker.",
                    [f"vllm:num_requests_waiting{_labels(**m)} {self.waiting}"])
+            if self.tree_budget is not None:
+                metric("treeflash:tree_budget", "gauge", "Tree budget per request this step (load-adaptive).",
+                       [f"treeflash:tree_budget{_labels(**m)} {self.tree_budget}"])
             for name, value, help_ in [
                 ("vllm:spec_decode_num_drafts_total", self.drafts, "Speculative steps (draft trees verified)."),
                 ("vllm:spec_decode_num_draft_tokens_total", self.draft_tokens, "Draft tokens verified."),

@@ -35,6 +35,9 @@ class ServeConfig:
     max_prompt_tokens: int | None = None  # None -> the context window
     api_key: str | None = None
     max_queue: int = 64             # more waiting requests -> 429
+    max_batch: int = 1              # > 1: continuous batching (`batch_worker.BatchWorker`)
+    # --tree-size auto with max_batch > 1: the `api.AutoChoice` the per-step budgets follow
+    auto_budget: object | None = None
 
 
 @dataclass
@@ -93,15 +96,20 @@ class Worker:
         self.queue.put(None)
         self.thread.join(timeout=10)
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued, not yet generating."""
+        return self.queue.qsize()
+
     def submit(self, job: Job) -> None:
-        if self.queue.qsize() >= self.config.max_queue:
-            raise ApiError(429, f"server busy: {self.queue.qsize()} requests waiting; retry later",
+        if self.waiting >= self.config.max_queue:
+            raise ApiError(429, f"server busy: {self.waiting} requests waiting; retry later",
                            code="server_busy", type_="rate_limit_error")
         self.queue.put(job)
         self._update_load()
 
     def _update_load(self) -> None:
-        self.metrics.set_load(self.running, self.queue.qsize())
+        self.metrics.set_load(self.running, self.waiting)
 
     def _loop(self) -> None:
         while True:

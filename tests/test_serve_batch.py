@@ -1,0 +1,417 @@
+"""`treeflash serve --max-batch N`: continuous batching in the server (serve/batch_worker.py), the
+load-adaptive tree budget (costmodel.adaptive_budget) and the decoder's per-step budget hook.
+
+The app runs in this process (uvicorn on a thread, as test_serve.py's `held_server`) over the tiny
+random Llama of test_serve.py on the static backend; `hold` pauses the worker before a decode step
+(after newcomers' prefills) until it is cleared or every running request's client has left, so
+queueing and disconnects are tested whatever the machine's speed. Greedy answers must equal what
+the same model answers to each request alone (fp32).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from treeflash.decoding import costmodel
+
+from conftest import tiny_target, vanilla
+
+ACCEPT = [0.9, 0.7, 0.5, 0.35, 0.25, 0.15, 0.1, 0.05] + [0.01] * 56
+
+
+# ---------------------------------------------------------------- the adaptive budget (pure)
+def convex(a: float = 1.0, c: float = 0.002):
+    """A forward that costs about the same up to some rows, then more and more (convex)."""
+    return {0: 0.0, **{n: a + c * n * n for n in costmodel.SIZES}}
+
+
+@pytest.mark.parametrize("draft", [0.05, costmodel.draft_cost(0.05, 0.2, 7)])
+def test_adaptive_budget_is_the_bs1_best_at_batch_1(draft):
+    for costs in (convex(), convex(1.0, 0.0005), {0: 0.1, 1: 1.0, 4: 1.2, 8: 2.0, 64: 10.0}):
+        best, _ = costmodel.best_budget(costs, ACCEPT, draft, range(2, 65))
+        assert best > 1
+        assert costmodel.adaptive_budget(costs, ACCEPT, draft, 1, 64) == best
+
+
+def test_adaptive_budget_shrinks_as_the_batch_fills():
+    costs = convex()
+    budgets = [costmodel.adaptive_budget(costs, ACCEPT, 0.05, b, 64) for b in range(1, 33)]
+    assert all(x >= y for x, y in zip(budgets, budgets[1:])), budgets
+    assert budgets[0] > 4 and budgets[-1] == 1, budgets  # full batch: plain decoding
+    assert costmodel.adaptive_budget(costs, ACCEPT, 0.05, 4, 3) <= 3  # never above the reservation
+
+
+def test_adaptive_budget_is_plain_when_verify_cost_is_linear_in_rows():
+    linear = {0: 0.0, **{n: 0.5 * n for n in costmodel.SIZES}}
+    for b in (1, 2, 8, 16):
+        assert costmodel.adaptive_budget(linear, ACCEPT, 0.0, b, 64) == 1
+
+
+def test_rows_cost_extrapolates_past_the_largest_size():
+    costs = {1: 1.0, 32: 2.0, 64: 3.0}
+    assert costmodel.rows_cost(costs, 48) == pytest.approx(2.5)
+    assert costmodel.rows_cost(costs, 128) == pytest.approx(5.0)
+
+
+def test_batch_decoder_budget_hook_changes_trees_not_tokens():
+    """set_budget each step (1, the max, in between) keeps every sequence's greedy tokens."""
+    from treeflash.config import GenerationConfig
+    from treeflash.decoding.batch import BatchDecoder
+
+    from conftest import tiny_drafter
+
+    target = tiny_target("llama", logit_scale=3.0).set_backend("static")
+    drafter = tiny_drafter(target, block_size=8)
+    prompts = [list(range(3, 12)), list(range(40, 49, 2)), [7, 8, 9, 7, 8, 9, 7]]
+    dec = BatchDecoder(target, drafter)
+    cfg = GenerationConfig(method="treeflash", tree_size=8, top_m=2, top_k=2, max_new_tokens=20)
+    ids = [dec.add(p, cfg, stop_ids=set()) for p in prompts]
+    got = {i: [] for i in ids}
+    sizes, step = [], 0
+    while dec.busy:
+        for i in list(dec.running):
+            assert dec.set_budget(i, [1, 8, 3, 99][step % 4]) == min(8, [1, 8, 3, 99][step % 4])
+        sizes.append({i: s.proposer.params.budget for i, s in dec.running.items()})
+        for i, toks in dec.step().items():
+            got[i] += toks
+        step += 1
+    for i, p in zip(ids, prompts):
+        assert got[i] == vanilla(target, p, 20)
+    trees = [n for i in ids for n in dec.finished[i].stats.tree_sizes]
+    assert 1 in trees and max(trees) > 1, trees  # budget 1 verified the root alone; larger ones more
+
+
+# ---------------------------------------------------------------- the server
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from test_serve import API_KEY, build_tiny_model, child_env, free_port, metric, post, user, wait_until  # noqa: E402
+
+MAX_BATCH = 4
+MAX_QUEUE = 2
+LIMIT = 48
+GEN = dict(method="treeflash", tree_size=8, top_m=2, top_k=2)
+PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers.",
+           "Explain recursion briefly.", "Say hello in Spanish.", "Name a colour."]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("serve-batch-model"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    """The same model in its own engine: what each request answers alone (bs=1 decode loop)."""
+    from treeflash.api import Engine
+    from treeflash.models.drafter import load_drafter
+    from treeflash.models.target import Target
+
+    target_dir, drafter_dir = model_dirs
+    return Engine(Target.load(str(target_dir)), load_drafter(drafter_dir), backend="static")
+
+
+def alone(reference, prompt, n, **kw):
+    return reference.generate(user(prompt), max_new_tokens=n, **{"temperature": 0.0, **GEN, **kw})
+
+
+@pytest.fixture(scope="module")
+def batch_server(model_dirs):
+    """The app with --max-batch 4 --max-queue 2 in this process; `.hold` pauses decode steps."""
+    import uvicorn
+
+    from treeflash.api import Engine
+    from treeflash.config import GenerationConfig
+    from treeflash.models.drafter import load_drafter
+    from treeflash.models.target import Target
+    from treeflash.serve.app import create_app
+    from treeflash.serve.worker import ServeConfig
+
+    target_dir, drafter_dir = model_dirs
+    engine = Engine(Target.load(str(target_dir)), load_drafter(drafter_dir), backend="static")
+    gen = GenerationConfig(**GEN, max_new_tokens=12)
+    app = create_app(engine, ServeConfig(model_name="tiny", generation=gen, max_tokens_limit=LIMIT, api_key=API_KEY,
+                                         max_queue=MAX_QUEUE, max_batch=MAX_BATCH))
+    worker, hold = app.state.worker, threading.Event()
+    step = worker.decoder.step
+
+    def held_step():
+        """While held: wait before a decode step until released or every running client left."""
+        dec = worker.decoder
+        while hold.is_set() and dec.running and not all(a.job.cancelled.is_set() for a in worker.active.values()):
+            time.sleep(0.01)
+        if hold.is_set() and dec.running:
+            return {}  # released by the clients leaving: the worker drops them before the next step
+        return step()
+
+    worker.decoder.step = held_step
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=srv.run, name="batch-server", daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: srv.started or not thread.is_alive(), "the in-process server to start", timeout=60)
+        assert srv.started
+        yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", hold=hold, worker=worker)
+    finally:
+        hold.clear()
+        srv.should_exit = True
+        thread.join(timeout=30)
+
+
+def health(server) -> dict:
+    r = httpx.get(server.url + "/health", timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_chat(server, prompt: str, n: int, out: dict, key=None, **kw) -> None:
+    """One streaming client: out[key or prompt] = (text, finish reason) or the error."""
+    body = {"model": "tiny", "messages": user(prompt), "max_tokens": n, "temperature": 0, "stream": True, **kw}
+    try:
+        text, finish = "", None
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300) as r:
+            if r.status_code != 200:
+                r.read()
+                out[key or prompt] = ("HTTP", r.status_code)
+                return
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    choice = chunk["choices"][0]
+                    text += choice["delta"].get("content") or ""
+                    finish = choice.get("finish_reason") or finish
+        out[key or prompt] = (text, finish)
+    except Exception as e:  # noqa: BLE001  (the test reports it)
+        out[key or prompt] = ("ERROR", repr(e))
+
+
+def test_concurrent_staggered_streams_get_their_alone_answers(batch_server, reference):
+    """A is held after its prefill while three more arrive; they join A's batch together, a fifth
+    and sixth arrive later; lengths differ. /health answers 200 all along."""
+    server = batch_server
+    lengths = [LIMIT, 9, 30, 17, 24, 5]
+    want = {p: alone(reference, p, n) for p, n in zip(PROMPTS, lengths)}
+    assert len({w.text for w in want.values()}) == len(PROMPTS), "prompts should give distinct answers"
+    got, healths, stop = {}, [], threading.Event()
+
+    def poll_health():
+        while not stop.is_set():
+            healths.append(httpx.get(server.url + "/health", timeout=10).status_code)
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=poll_health)]
+    threads[0].start()
+    server.worker.peak = 0
+    server.hold.set()
+    try:
+        clients = [threading.Thread(target=stream_chat, args=(server, p, n, got)) for p, n in zip(PROMPTS, lengths)]
+        clients[0].start()
+        wait_until(lambda: health(server)["running"] == 1, "A to run")
+        for t in clients[1:3]:
+            t.start()
+        wait_until(lambda: health(server)["waiting"] == 2, "B and C to queue")
+        assert metric(server, "vllm:num_requests_running") == 1
+        assert metric(server, "vllm:num_requests_waiting") == 2
+    finally:
+        server.hold.clear()
+    clients[3].start()
+    time.sleep(0.3)
+    for t in clients[4:]:
+        t.start()
+        time.sleep(0.2)
+    for t in clients:
+        t.join(timeout=300)
+    stop.set()
+    threads[0].join(timeout=30)
+    assert server.worker.peak >= 3, "the requests should have been decoded together"
+    for p, w in want.items():
+        assert got[p] == (w.text, "stop" if w.stats.finish_reason == "stop" else "length"), p
+    assert healths and set(healths) == {200}
+    wait_until(lambda: health(server)["running"] == 0, "the batch to empty")
+    assert server.worker.decoder.cache.reserved_slots == 0
+
+
+def test_stop_string_and_seed_in_a_batch(batch_server, reference):
+    server = batch_server
+    full = alone(reference, PROMPTS[3], 20).text
+    stop = full[6:9]
+    assert stop.strip(), f"need a visible stop string in {full!r}"
+    sampled = alone(reference, PROMPTS[4], 16, temperature=1.0, top_p=0.9, seed=1234).text
+    got = {}
+    threads = [threading.Thread(target=stream_chat, args=(server, PROMPTS[3], 20, got), kwargs={"stop": [stop]}),
+               threading.Thread(target=stream_chat, args=(server, PROMPTS[4], 16, got),
+                                kwargs={"temperature": 1.0, "top_p": 0.9, "seed": 1234}),
+               threading.Thread(target=stream_chat, args=(server, PROMPTS[0], LIMIT, got))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert got[PROMPTS[3]] == (full[:full.index(stop)], "stop")
+    assert got[PROMPTS[4]][0] == sampled
+    assert got[PROMPTS[0]][0] == alone(reference, PROMPTS[0], LIMIT).text
+
+
+def test_disconnect_frees_its_slot_and_a_full_queue_is_429(batch_server):
+    """A streams, is held after its first text, B queues behind the held step, C finds the queue
+    full (429); A's client leaves: its slot is freed (running 0, pool empty), B still completes."""
+    server = batch_server
+    worker = server.worker
+    aborts = metric(server, "vllm:request_success_total", finished_reason="abort")
+    got = {}
+    body = {"model": "tiny", "messages": user(PROMPTS[0]), "max_tokens": LIMIT, "stream": True}
+    server.hold.set()
+    try:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept open: closing it would close the connection
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["delta"]
+            wait_until(lambda: health(server)["running"] == 1, "A to run")
+            assert worker.decoder.cache.reserved_slots > 0
+            b = [threading.Thread(target=stream_chat, args=(server, PROMPTS[1], 6, got, f"B{i}")) for i in range(2)]
+            for t in b:
+                t.start()
+            wait_until(lambda: health(server)["waiting"] == MAX_QUEUE, "B to queue")
+            c = post(server, "/v1/chat/completions", {"messages": user("C"), "max_tokens": 2})
+            assert c.status_code == 429 and c.json()["error"]["code"] == "server_busy"
+            assert metric(server, "treeflash:request_errors_total", status=429) >= 1
+        # A's client has left; the held step lets the worker drop it
+        wait_until(lambda: metric(server, "vllm:request_success_total", finished_reason="abort") > aborts,
+                   "A's abort", timeout=30)
+    finally:
+        server.hold.clear()
+    for t in b:
+        t.join(timeout=300)
+    assert got["B0"][1] in ("stop", "length") and got["B0"] == got["B1"], got
+    wait_until(lambda: health(server)["running"] == 0 and health(server)["waiting"] == 0, "the batch to empty")
+    assert worker.decoder.cache.reserved_slots == 0
+    assert metric(server, "vllm:num_requests_running") == 0
+
+
+def test_metrics_show_the_batch_gauges(batch_server):
+    text = httpx.get(batch_server.url + "/metrics", timeout=10).text
+    assert "# TYPE vllm:num_requests_running gauge" in text and "# TYPE vllm:num_requests_waiting gauge" in text
+    assert metric(batch_server, "vllm:generation_tokens_total") > 0
+
+
+def test_adaptive_budgets_follow_the_batch_size(model_dirs, reference):
+    """--tree-size auto in batch mode: a cost table where big batches do not pay for trees makes
+    the worker verify roots alone at batch 4, and keeps the bs=1 budget alone; answers are unchanged."""
+    from treeflash.api import AutoChoice, Engine
+    from treeflash.config import GenerationConfig
+    from treeflash.models.drafter import load_drafter
+    from treeflash.models.target import Target
+    from treeflash.serve.batch_worker import BatchWorker
+    from treeflash.serve.metrics import Metrics
+    from treeflash.serve.worker import Job, ServeConfig
+
+    target_dir, drafter_dir = model_dirs
+    engine = Engine(Target.load(str(target_dir)), load_drafter(drafter_dir), backend="static")
+    costs = {0: 0.0, **{n: 1.0 + 0.5 * max(0, n - 8) for n in costmodel.SIZES}}  # flat to 8 rows, then steep
+    b1 = costmodel.adaptive_budget(costs, ACCEPT, 0.3, 1, 8)
+    assert b1 == 8 and costmodel.adaptive_budget(costs, ACCEPT, 0.3, 2, 8) == 4
+    assert costmodel.adaptive_budget(costs, ACCEPT, 0.3, 4, 8) == 1
+    choice = AutoChoice("treeflash", b1, 1.0, 2.0, 0.3, costs, ACCEPT, ())
+    gen = GenerationConfig(**{**GEN, "tree_size": b1}, max_new_tokens=12)
+    cfg = ServeConfig(model_name="tiny", generation=gen, max_tokens_limit=LIMIT, max_batch=4, auto_budget=choice)
+    metrics = Metrics("tiny")
+    worker = BatchWorker(engine, cfg, metrics)
+    seen = []
+    step = worker.decoder.step
+
+    def spy():
+        seen.append({s.proposer.params.budget for s in worker.decoder.running.values()})
+        return step()
+
+    worker.decoder.step = spy
+
+    async def run(prompts):
+        import asyncio
+
+        jobs = [Job(prompt=user(p), chat=True, param="messages", config=gen.replace(max_new_tokens=10),
+                    loop=asyncio.get_running_loop()) for p in prompts]
+        for j in jobs:
+            worker.submit(j)
+        texts = []
+        for j in jobs:
+            parts = []
+            while True:
+                kind, value = await asyncio.wait_for(j.events.get(), 120)
+                if kind != "text":
+                    break
+                parts.append(value)
+            assert kind == "done", value
+            texts.append("".join(parts))
+        return texts
+
+    import asyncio
+
+    worker.start()
+    try:
+        texts = asyncio.run(run(PROMPTS[:4]))
+        alone_one = asyncio.run(run(PROMPTS[:1]))
+    finally:
+        worker.stop()
+    assert texts == [alone(reference, p, 10).text for p in PROMPTS[:4]]
+    assert alone_one == texts[:1]
+    assert {1} in seen, seen                  # a full batch verified roots alone
+    assert seen[-1] == {b1}, seen            # alone: the bs=1 budget
+    assert "treeflash:tree_budget" in metrics.render()
+
+
+def test_max_batch_needs_the_static_backend(model_dirs):
+    target_dir, drafter_dir = model_dirs
+    out = subprocess.run([sys.executable, "-m", "treeflash.cli", "serve", "--target", str(target_dir), "--drafter",
+                          str(drafter_dir), "--port", str(free_port()), "--dtype", "float32", "--backend", "hf",
+                          "--max-batch", "4"], capture_output=True, text=True, env=child_env(), timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: --max-batch 4 needs the static backend (Llama / Qwen family); the target runs the hf backend: "
+        "use --backend static or --max-batch 1"]
+
+
+# ---------------------------------------------------------------- the load bench
+def test_load_bench_statistics_from_fake_timings():
+    from treeflash.bench.load import Timing, percentile, summarise
+
+    assert percentile([3, 1, 2, 4], 50) == 2.5 and percentile([5], 99) == 5
+    assert percentile(list(range(101)), 99) == 99 and percentile([0, 10], 99) == pytest.approx(9.9)
+    timings = [Timing(0.0, 0.5, 2.0, 20), Timing(0.0, 1.0, 4.0, 40), Timing(1.0, 1.5, 3.0, 10),
+               Timing(0.5, error="HTTP 429: busy")]
+    r = summarise(timings, wall_s=5.0, clients=3)
+    assert (r["requests"], r["failed"], r["tokens"]) == (4, 1, 70)
+    assert r["aggregate_tokens_per_s"] == pytest.approx(14.0)
+    assert r["per_request_tokens_per_s"]["mean"] == pytest.approx(25 / 3)  # 20/2, 40/4, 10/2
+    assert r["ttft_s"]["p50"] == pytest.approx(0.5) and r["ttft_s"]["mean"] == pytest.approx(2 / 3)
+    assert r["latency_s"]["p50"] == pytest.approx(2.0) and r["latency_s"]["p99"] == pytest.approx(3.96)
+    assert r["errors"] == ["HTTP 429: busy"]
+
+
+def test_load_bench_against_the_batch_server(batch_server, tmp_path):
+    """`treeflash bench-load` over the in-process server: every request answered, its tokens
+    counted from the usage chunk, results.json and the plot written."""
+    from treeflash.bench.load import load_test
+    from treeflash.cli import main
+
+    r = load_test(batch_server.url, ["Hi there", "Name a fruit."], clients=2, max_tokens=6, api_key=API_KEY,
+                  requests_per_client=2)
+    assert r["failed"] == 0 and r["requests"] == 4, r["errors"]
+    assert all(t["tokens"] >= 1 and t["first"] <= t["end"] for t in r["timings"])
+    assert r["aggregate_tokens_per_s"] > 0 and r["ttft_s"]["p99"] >= r["ttft_s"]["p50"]
+    assert main(["bench-load", "--url", batch_server.url, "--clients", "1,2", "--max-tokens", "4",
+                 "--requests-per-client", "1", "--api-key", API_KEY, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert [lv["clients"] for lv in report["levels"]] == [1, 2]
+    assert (tmp_path / "load.png").stat().st_size > 0

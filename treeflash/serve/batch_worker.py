@@ -1,0 +1,211 @@
+"""Continuous batching for `treeflash serve --max-batch N` (N > 1): one `BatchDecoder` on one thread.
+
+Requests wait in a FIFO queue (`--max-queue` bounds it: 429 beyond). Before each step the worker
+moves waiting requests into the decoder while fewer than N run, so a request joins the running
+batch at the next step (its prompt is prefilled in that step) and leaves when it ends: a stop
+token, max_tokens, a stop string in its text (its own `TextAssembler`; the sequence is cancelled)
+or its client leaving (cancelled before the next step: its pool slots go back at once). Each
+sequence's new tokens become text events of its `Job`, as `worker.Worker` streams them; `Job`,
+`Done` and the metrics are that module's. The KV pool holds N worst-case requests
+(`pool_slots`), so admission never waits for slots. With --tree-size auto each running
+sequence's tree budget follows the load every step (`costmodel.adaptive_budget`: the bs=1 best
+at batch 1, down to plain decoding as the batch fills); a fixed tree size stays fixed.
+"""
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+from jinja2 import TemplateError
+
+from ..decoding import costmodel
+from ..decoding.batch import BatchDecoder
+from ..decoding.generate import Stats
+from ..decoding.text import TextAssembler
+from ..errors import TreeflashError
+from .metrics import Metrics
+from .schemas import ApiError
+from .worker import Done, Job, ServeConfig, Worker
+
+PAGE_SIZE = 16
+
+
+def check_batchable(engine, max_batch: int) -> None:
+    """--max-batch > 1 needs the static backend: a clear one-line error otherwise."""
+    from ..models.fastpath import FastPath
+
+    if max_batch <= 1:
+        return
+    engine._bind()  # the engine's backend on its target
+    target = engine.target
+    if not isinstance(target.runner, FastPath):
+        raise TreeflashError(f"--max-batch {max_batch} needs the static backend (Llama / Qwen family); the target "
+                             f"runs the {target.backend} backend: use --backend static or --max-batch 1")
+
+
+def pool_slots(max_length: int, config: ServeConfig, budget: int, page_size: int = PAGE_SIZE) -> int:
+    """KV pool slots for `max_batch` requests at their worst case: the longest prompt allowed plus
+    max_tokens_limit (within the context window) plus one tree, each rounded up to whole pages."""
+    prompt = min(config.max_prompt_tokens or max_length, max_length - 1)
+    need = min(max_length, prompt + config.max_tokens_limit) + budget
+    return config.max_batch * -(-need // page_size) * page_size
+
+
+@dataclass
+class Active:
+    """A request in the decoder: its job, its text so far, tokens received."""
+
+    job: Job
+    text: TextAssembler
+    prompt_tokens: int
+    n: int = 0
+
+
+class BatchWorker(Worker):
+    """`Worker`'s interface (start, stop, submit, running, waiting, thread) over a `BatchDecoder`."""
+
+    def __init__(self, engine, config: ServeConfig, metrics: Metrics):
+        super().__init__(engine, config, metrics)
+        self.thread = threading.Thread(target=self._loop, name="treeflash-batch-worker", daemon=True)
+        check_batchable(engine, config.max_batch)
+        self.budget = config.generation.tree_size if isinstance(config.generation.tree_size, int) else 1
+        self.capacity = pool_slots(engine.target.max_length, config, self.budget)
+        self.decoder = self._new_decoder()
+        self.active: dict[int, Active] = {}
+        self.peak = 0            # most sequences decoded together so far (tests, logs)
+        self._budgets: dict[int, int] = {}
+        self._stopping = threading.Event()
+
+    def _new_decoder(self) -> BatchDecoder:
+        return BatchDecoder(self.engine.target, self.engine.drafter, capacity=self.capacity, page_size=PAGE_SIZE)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued, not yet in the batch."""
+        return self.queue.qsize()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for a in list(self.active.values()):
+            a.job.cancel()
+        super().stop()
+
+    def _update_load(self) -> None:
+        self.running = len(self.active)  # in the batch (newcomers are prefilled at the next step)
+        self.metrics.set_load(self.running, self.waiting)
+
+    # ---- the loop ----
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._drop_cancelled()
+            self._update_load()
+            if not self._take(block=not self.active):
+                return
+            if not self.decoder.busy:
+                continue
+            self._set_budgets()
+            self._update_load()
+            self.peak = max(self.peak, len(self.active))
+            try:
+                out = self.decoder.step()
+                for sid, toks in out.items():
+                    self._deliver(sid, toks)
+            except Exception as e:  # a bug: report it, answer 500 to the batch, keep serving
+                traceback.print_exc(file=sys.stderr)
+                self._fail_all(ApiError(500, f"internal error: {type(e).__name__}"))
+            self._update_load()
+
+    def _take(self, block: bool) -> bool:
+        """Move queued jobs into the decoder while fewer than max_batch are in it; waits for one
+        when none is (block). False: the server is stopping."""
+        while len(self.active) < self.config.max_batch:
+            try:
+                job = self.queue.get(block=block)
+            except queue.Empty:
+                return True
+            if job is None or self._stopping.is_set():
+                return False
+            if job.cancelled.is_set():  # its client left while it waited
+                self.metrics.record_generation(Stats(), 0, "abort", time.perf_counter() - job.arrived)
+            elif self._admit(job):
+                block = False
+        return True
+
+    def _admit(self, job: Job) -> bool:
+        self.metrics.observe_queue_time(time.perf_counter() - job.arrived)
+        try:
+            ids = self._encode(job)
+            _, _, proposer = self.engine._prepare(ids, job.config, chat=False)
+            sid = self.decoder.add(ids, job.config, proposer=proposer)
+        except ApiError as e:
+            job.emit("error", e)
+            return False
+        except TreeflashError as e:  # bad sampling values, a prompt over the window: nothing was sent yet
+            job.emit("error", ApiError(400, str(e), param=job.param))
+            return False
+        except TemplateError as e:
+            job.emit("error", ApiError(400, f"the chat template rejects these messages: {e}", param=job.param))
+            return False
+        self.active[sid] = Active(job, self.engine.assembler(job.config), len(ids))
+        return True
+
+    def _drop_cancelled(self) -> None:
+        """Sequences whose clients left end now: their slots are free for the next step."""
+        for sid, a in list(self.active.items()):
+            if a.job.cancelled.is_set():
+                self.decoder.cancel(sid)
+                self._finish(sid, aborted=True)
+
+    def _set_budgets(self) -> None:
+        """--tree-size auto: every running sequence's budget for this step's batch size."""
+        choice = self.config.auto_budget
+        if choice is None or self.budget < 2:
+            return
+        n = len(self.decoder.running)
+        if n not in self._budgets:
+            self._budgets[n] = self.budget if n <= 1 else costmodel.adaptive_budget(
+                choice.verify_costs, choice.node_accept, choice.draft_fn(), n, self.budget)
+        for sid in self.decoder.running:
+            self.decoder.set_budget(sid, self._budgets[n])
+        self.metrics.set_tree_budget(self._budgets[n])
+
+    def _deliver(self, sid: int, toks: list[int]) -> None:
+        a = self.active.get(sid)
+        if a is None:
+            return
+        for t in toks:
+            if a.job.cancelled.is_set():
+                break
+            a.n += 1
+            if a.n == 1:
+                self.metrics.observe_ttft(time.perf_counter() - a.job.arrived)
+            piece = a.text.add(t)
+            if piece:
+                a.job.emit("text", piece)
+            if a.text.stopped:
+                self.decoder.cancel(sid, "stop")
+                break
+        if sid in self.decoder.finished:
+            self._finish(sid, aborted=a.job.cancelled.is_set())
+
+    def _finish(self, sid: int, aborted: bool) -> None:
+        a = self.active.pop(sid)
+        seq = self.decoder.finished.pop(sid, None)
+        stats = seq.stats if seq is not None else Stats()
+        if not aborted:
+            tail = a.text.flush()
+            if tail:
+                a.job.emit("text", tail)
+        finish = "abort" if aborted else "stop" if a.text.stopped else stats.finish_reason
+        self.metrics.record_generation(stats, a.n, finish, time.perf_counter() - a.job.arrived)
+        a.job.emit("done", Done(finish, a.prompt_tokens, a.n, stats.mean_acceptance_length))
+
+    def _fail_all(self, error: ApiError) -> None:
+        for a in self.active.values():
+            a.job.emit("error", error)
+        self.active.clear()
+        self.decoder = self._new_decoder()
