@@ -6,6 +6,7 @@ engine's own (`engine.generate`, `treeflash generate --json`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -177,16 +178,27 @@ def held_server(model_dirs):
     app = create_app(engine, ServeConfig(model_name="tiny", generation=gen, max_tokens_limit=MAX_TOKENS_LIMIT,
                                          api_key=API_KEY))
     engine.worker = app.state.worker
+    try:
+        with in_process(app) as url:
+            yield types.SimpleNamespace(url=url, hold=engine.hold)
+    finally:
+        engine.hold.clear()
+
+
+@contextlib.contextmanager
+def in_process(app):
+    """Serve `app` with uvicorn on a thread of this process; yields its base URL, stops it after."""
+    import uvicorn
+
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
-    thread = threading.Thread(target=srv.run, name="held-server", daemon=True)
+    thread = threading.Thread(target=srv.run, name="in-process-server", daemon=True)
     thread.start()
     try:
         wait_until(lambda: srv.started or not thread.is_alive(), "the in-process server to start", timeout=60)
         assert srv.started, "the in-process server did not start"
-        yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", hold=engine.hold)
+        yield f"http://127.0.0.1:{port}"
     finally:
-        engine.hold.clear()
         srv.should_exit = True
         thread.join(timeout=30)
 

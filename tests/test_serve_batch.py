@@ -93,7 +93,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from test_serve import API_KEY, build_tiny_model, child_env, free_port, metric, post, user, wait_until  # noqa: E402
+from test_serve import API_KEY, build_tiny_model, child_env, free_port, in_process, metric, post, user, wait_until  # noqa: E402,E501
 
 MAX_BATCH = 4
 MAX_QUEUE = 2
@@ -126,8 +126,6 @@ def alone(reference, prompt, n, **kw):
 @pytest.fixture(scope="module")
 def batch_server(model_dirs):
     """The app with --max-batch 4 --max-queue 2 in this process; `.hold` pauses decode steps."""
-    import uvicorn
-
     from treeflash.api import Engine
     from treeflash.config import GenerationConfig
     from treeflash.models.drafter import load_drafter
@@ -153,18 +151,11 @@ def batch_server(model_dirs):
         return step()
 
     worker.decoder.step = held_step
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
-    thread = threading.Thread(target=srv.run, name="batch-server", daemon=True)
-    thread.start()
     try:
-        wait_until(lambda: srv.started or not thread.is_alive(), "the in-process server to start", timeout=60)
-        assert srv.started
-        yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", hold=hold, worker=worker)
+        with in_process(app) as url:
+            yield types.SimpleNamespace(url=url, hold=hold, worker=worker)
     finally:
         hold.clear()
-        srv.should_exit = True
-        thread.join(timeout=30)
 
 
 def health(server) -> dict:
@@ -225,9 +216,10 @@ def test_concurrent_staggered_streams_get_their_alone_answers(batch_server, refe
         assert metric(server, "vllm:num_requests_waiting") == 2
     finally:
         server.hold.clear()
-    clients[3].start()
-    time.sleep(0.3)
-    for t in clients[4:]:
+    # later arrivals, each once the queue is empty again, so at most two ever wait (--max-queue 2)
+    # however slow a step is on this machine
+    for t in clients[3:]:
+        wait_until(lambda: health(server)["waiting"] == 0, "the queue to empty")
         t.start()
         time.sleep(0.2)
     for t in clients:
