@@ -61,7 +61,8 @@ def dist_env() -> tuple[int, int]:
     """(rank, world); initialises the process group under torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=dist_timeout())
+        # gloo: training keeps every tensor on the CPU, which nccl cannot reduce (even where a GPU is seen)
+        dist.init_process_group("gloo", timeout=dist_timeout())
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
