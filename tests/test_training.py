@@ -474,3 +474,19 @@ def test_tau_prompts_are_the_bench_prompts(capsys):
         assert main(["train", "tau", "--sets", bad]) == 2
         err = capsys.readouterr().err
         assert f"unknown dataset '{bad}'" in err and "mt-bench" in err and err.count("\n") == 1
+
+
+def test_ranks_talk_over_gloo_where_a_gpu_is_seen_too(monkeypatch):
+    """Training keeps its tensors on the CPU: the process group must be gloo even when torch sees a
+    GPU (nccl cannot reduce CPU tensors)."""
+    import torch.distributed as dist
+
+    from treeflash.training import trainer
+
+    seen = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.setdefault("backend", backend))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    assert trainer.dist_env() == (1, 2) and seen["backend"] == "gloo"
