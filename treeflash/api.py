@@ -100,8 +100,7 @@ class Engine:
         self._bind()
         vocab = self.target.vocab_rows
         budget = self.auto_tree_size(cfg).budget if cfg.tree_size == "auto" else cfg.tree_size
-        method = cfg.method if budget > 1 else "vanilla"  # a budget of 1 is the root alone: plain decoding
-        proposer = make_proposer(method, self.drafter, self.target.embed, self.target.drafting_head,
+        proposer = make_proposer(cfg.method, self.drafter, self.target.embed, self.target.drafting_head,
                                  cfg.tree(vocab, budget))
         if self.drafter is not None:  # the compiled backend compiles the drafter's block pass too
             backend = self.target.backend
@@ -147,7 +146,7 @@ class Engine:
             choice = AutoChoice(method, 1, 0.0, 1.0, 0.0, {})
         elif saved is not None:  # calibrated by an earlier process on this machine
             choice = AutoChoice(method, saved["budget"], saved["expected_tokens_per_s"], saved["expected_tau"],
-                                saved["draft_s"], costmodel.measure(self.target), saved.get("node_accept", []),
+                                saved["draft_s"], costmodel.measure(self.target), saved["node_accept"],
                                 tuple(saved.get("draft_costs", ())))
         else:
             costs = costmodel.measure(self.target)  # with this drafter's taps: they are part of a forward
