@@ -281,3 +281,27 @@ def test_selftest_catches_a_backend_that_loses_its_cache(monkeypatch):
     monkeypatch.setattr(target_mod.HFPath, "__init__", lossy)
     rows = [r for r in exactness("cpu", budgets=(5,), n=8, backends=("hf",)) if r["dtype"] == "float32"]
     assert not any(r["identical"] for r in rows if r["method"] == "vanilla")
+
+
+def test_selftest_batch_rows_cover_every_method():
+    """The selftest's batched section on the CPU: one staggered request per method, each equal to its
+    full-recompute reference."""
+    from treeflash.bench.selftest import ARCHS, batch_exactness
+
+    rows = batch_exactness("cpu", n=10)
+    assert {r["method"] for r in rows} == set(METHODS) and {r["arch"] for r in rows} == set(ARCHS)
+    assert all(r["identical"] for r in rows)
+
+
+def test_selftest_batch_check_fails_on_a_wrong_batch(monkeypatch):
+    """It can fail: a batch that emits one wrong token per step is caught."""
+    from treeflash.bench.selftest import batch_exactness
+    from treeflash.decoding.batch import BatchDecoder
+
+    step = BatchDecoder.step
+
+    def wrong(self):
+        return {sid: [t + 1 for t in toks] for sid, toks in step(self).items()}
+
+    monkeypatch.setattr(BatchDecoder, "step", wrong)
+    assert not any(r["identical"] for r in batch_exactness("cpu", n=6))
