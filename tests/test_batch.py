@@ -99,11 +99,12 @@ def alone(target, drafter, greedy, methods, sampling=SamplingParams(), reqs=REQS
     return out
 
 
-def batched(target, drafter, greedy, methods, sampling=SamplingParams(), reqs=REQS, capacity=CAPACITY):
+def batched(target, drafter, greedy, methods, sampling=SamplingParams(), reqs=REQS, capacity=CAPACITY,
+            prefill_chunk=None):
     """The requests through one BatchDecoder, added and cancelled at their steps. Returns
     (tokens per request, the decoder, the batch size of each step's target forward); the
     decoder's `finished` is re-keyed by request index."""
-    dec = BatchDecoder(target, drafter, capacity=capacity)
+    dec = BatchDecoder(target, drafter, capacity=capacity, prefill_chunk=prefill_chunk)
     sizes = []
     decode_step = dec._decode
     dec._decode = lambda seqs, out: sizes.append(len(seqs)) or decode_step(seqs, out)
@@ -149,6 +150,42 @@ def test_batched_greedy_equals_alone(setup, method):
     check_against_alone(got, dec, alone(target, drafter, greedy, methods), method in DRAFTED)
     assert max(sizes) >= 3, "several sequences should share a forward"
     assert any(r.stop_at is not None and len(g) < r.n for r, g in zip(REQS, got)), "a stop id should end one"
+
+
+@pytest.mark.parametrize("method", ["vanilla", "treeflash+lookup"])
+def test_chunked_prefill_equals_alone(setup, method):
+    """Prompts prefilled 7 tokens per step (several chunks for most, chunks of two prompts in one
+    forward) decode what they decode alone."""
+    target, drafter, greedy = setup
+    methods = [method] * len(REQS)
+    got, dec, _ = batched(target, drafter, greedy, methods, prefill_chunk=7)
+    check_against_alone(got, dec, alone(target, drafter, greedy, methods), method in DRAFTED)
+
+
+def test_a_long_prompt_does_not_stall_the_batch(setup):
+    """While a 120-token prompt is prefilled 16 tokens per step, the running sequence emits tokens
+    at every step, and the prompt takes ceil(120 / 16) steps to its first token."""
+    target, drafter, _ = setup
+    dec = BatchDecoder(target, drafter, capacity=512, prefill_chunk=16)
+    cfg = GenerationConfig(method="vanilla", max_new_tokens=30, ignore_eos=True)
+    first = dec.add(list(range(3, 9)), cfg)
+    dec.step()
+    long = dec.add([(7 * i) % 100 + 3 for i in range(120)], cfg)
+    steps = 0
+    while True:
+        out = dec.step()
+        steps += 1
+        assert out.get(first), "the running sequence emits at every step"
+        if long in out:
+            break
+    assert steps == 8
+    assert dec.running[long].filled == 120
+
+
+def test_prefill_chunk_must_be_positive(setup):
+    target, drafter, _ = setup
+    with pytest.raises(TreeflashError, match="prefill_chunk"):
+        BatchDecoder(target, drafter, prefill_chunk=0)
 
 
 def test_mixed_methods_in_one_batch(setup):

@@ -125,7 +125,8 @@ def alone(reference, prompt, n, **kw):
 
 @pytest.fixture(scope="module")
 def batch_server(model_dirs):
-    """The app with --max-batch 4 --max-queue 2 in this process; `.hold` pauses decode steps."""
+    """The app with --max-batch 4 --max-queue 2 --prefill-chunk 5 in this process (every prompt is
+    prefilled over several steps, between the running requests' steps); `.hold` pauses decode steps."""
     from treeflash.api import Engine
     from treeflash.config import GenerationConfig
     from treeflash.models.drafter import load_drafter
@@ -137,16 +138,20 @@ def batch_server(model_dirs):
     engine = Engine(Target.load(str(target_dir)), load_drafter(drafter_dir), backend="static")
     gen = GenerationConfig(**GEN, max_new_tokens=12)
     app = create_app(engine, ServeConfig(model_name="tiny", generation=gen, max_tokens_limit=LIMIT, api_key=API_KEY,
-                                         max_queue=MAX_QUEUE, max_batch=MAX_BATCH))
+                                         max_queue=MAX_QUEUE, max_batch=MAX_BATCH, prefill_chunk=5))
     worker, hold = app.state.worker, threading.Event()
     step = worker.decoder.step
 
     def held_step():
         """While held: wait before a decode step until released or every running client left."""
         dec = worker.decoder
-        while hold.is_set() and dec.running and not all(a.job.cancelled.is_set() for a in worker.active.values()):
+
+        def decoding():  # prompts still being prefilled are not held
+            return any(not s.prefilling for s in dec.running.values())
+
+        while hold.is_set() and decoding() and not all(a.job.cancelled.is_set() for a in worker.active.values()):
             time.sleep(0.01)
-        if hold.is_set() and dec.running:
+        if hold.is_set() and decoding():
             return {}  # released by the clients leaving: the worker drops them before the next step
         return step()
 

@@ -2,8 +2,10 @@
 
 `BatchDecoder.step` is a pipeline of short functions over the running sequences:
 1. admit: waiting requests whose worst case fits the slot pool (`models/batchcache.py`) join;
-   their prompts are prefilled in one forward (each causal over its own slots) and emit their
-   first token (a separate forward from the trees': no chunked / mixed prefill);
+   their prompts are prefilled in chunks, at most `prefill_chunk` prompt tokens per step over all
+   of them, in one forward after the trees' (each chunk causal over its sequence's slots), so a
+   long prompt delays the running sequences' steps by one chunk's forward at a time; a prompt's
+   last chunk emits its first token;
 2. draft: one drafter pass over every sequence's block [root, MASK x d] (`draft_blocks`: each
    block sees its own context and itself), then each sequence's own proposer builds its tree
    (per-sequence state: lookup index, method, budget);
@@ -60,6 +62,11 @@ class Seq:
     start: int = 0                           # position of the root = tokens in the target's cache
     ready: torch.Tensor | None = None        # this step's drafter states [d+1, H] (`draft_blocks`)
     t_start: float = 0.0
+    filled: int = 0                          # prompt tokens prefilled so far
+
+    @property
+    def prefilling(self) -> bool:
+        return self.filled < len(self.prompt)
 
     @property
     def drafter(self) -> Drafter | None:
@@ -154,14 +161,19 @@ class BatchDecoder:
 
     `add` queues a request, `step` advances every running sequence by one verified tree (and
     admits waiting ones), `cancel` ends one; requests join and leave between steps. `capacity`:
-    the slot pool (None: sized at the first step for every request added by then)."""
+    the slot pool (None: sized at the first step for every request added by then).
+    `prefill_chunk`: most prompt tokens prefilled per step, all waiting prompts together (None:
+    every admitted prompt whole in the step it joins)."""
 
     def __init__(self, target: Target, drafter: Drafter | None = None, capacity: int | None = None,
-                 page_size: int = 16):
+                 page_size: int = 16, prefill_chunk: int | None = None):
         if not isinstance(target.runner, FastPath):
             raise TreeflashError(f"batched decoding needs the static backend (Llama / Qwen family); "
                                  f"the target runs {target.backend}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise TreeflashError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target, self.drafter, self.page_size = target, drafter, page_size
+        self.prefill_chunk = prefill_chunk
         self.runner: FastPath = target.runner
         self.limit = target.max_length
         self.cache = BatchCache.for_runner(self.runner, capacity, page_size) if capacity else None
@@ -231,19 +243,33 @@ class BatchDecoder:
     # ---- one step ----
     @torch.no_grad()
     def step(self) -> dict[int, list[int]]:
-        """Advance every running sequence by one tree; admit (prefill) waiting requests that fit.
-        Returns the tokens each sequence emitted in this step."""
+        """Advance every decoding sequence by one tree; admit waiting requests that fit and prefill
+        the next chunk of the prompts not yet prefilled. Returns the tokens each sequence emitted
+        in this step."""
         out: dict[int, list[int]] = {}
-        running = list(self.running.values())
-        if running:
-            self._decode(running, out)
-        new = self._admit()
-        if new:
-            self._prefill(new, out)
+        decoding = [s for s in self.running.values() if not s.prefilling]
+        if decoding:
+            self._decode(decoding, out)
+        self._admit()
+        chunks = self._chunks([s for s in self.running.values() if s.prefilling])
+        if chunks:
+            self._prefill(chunks, out)
         return out
 
+    def _chunks(self, seqs: list[Seq]) -> list[tuple[Seq, int]]:
+        """(sequence, prompt tokens to prefill now), first admitted first, within `prefill_chunk`."""
+        left = self.prefill_chunk if self.prefill_chunk is not None else sum(len(s.prompt) for s in seqs)
+        chunks = []
+        for s in seqs:
+            n = min(len(s.prompt) - s.filled, left)
+            if n < 1:
+                break
+            chunks.append((s, n))
+            left -= n
+        return chunks
+
     def _admit(self) -> list[Seq]:
-        """Waiting requests, first come first served, while their reservations fit the pool."""
+        """Waiting requests join, first come first served, while their reservations fit the pool."""
         if self.cache is None:
             need = sum(-(-s.need // self.page_size) for s in self.waiting) * self.page_size
             self.cache = BatchCache.for_runner(self.runner, max(need, self.page_size), self.page_size)
@@ -272,23 +298,26 @@ class BatchDecoder:
         width = self.cache.width([i for i, _, _ in parts])
         return slots, self.cache.step_mask(parts, slots, width)
 
-    def _prefill(self, seqs: list[Seq], out: dict) -> None:
+    def _prefill(self, chunks: list[tuple[Seq, int]], out: dict) -> None:
+        """One forward over the next chunk of each prompt (positions filled..filled+n-1); a prompt
+        prefilled to its end emits its first token."""
         t0 = time.perf_counter()
         dev = self.target.device
-        sizes = [len(s.prompt) for s in seqs]
-        ids = torch.tensor([t for s in seqs for t in s.prompt], device=dev)          # [N]
-        pos = torch.cat([torch.arange(n, device=dev) for n in sizes])                # [N]
-        slots, mask = self._rows([(s.id, n, None) for s, n in zip(seqs, sizes)])
+        ids = torch.tensor([t for s, n in chunks for t in s.prompt[s.filled:s.filled + n]], device=dev)  # [N]
+        pos = torch.cat([torch.arange(s.filled, s.filled + n, device=dev) for s, n in chunks])          # [N]
+        slots, mask = self._rows([(s.id, n, None) for s, n in chunks])
         logits, feats = self._forward(ids, pos, slots, mask, upcast=True)
-        self.cache.compact({s.id: torch.arange(n) for s, n in zip(seqs, sizes)})
+        self.cache.compact({s.id: torch.arange(n) for s, n in chunks})
         off = 0
-        for s, n in zip(seqs, sizes):
+        for s, n in chunks:
             if s.dcache is not None:
                 s.drafter.extend(s.dcache, feats[off:off + n], pos[off:off + n])
-            root = choose(logits[off + n - 1], s.sampling, s.gen)
-            s.start, s.history = n, list(s.prompt)
-            s.stats.prefill_s = time.perf_counter() - t0
-            out[s.id] = self._emit(s, [root])
+            s.filled += n
+            s.stats.prefill_s += time.perf_counter() - t0
+            if not s.prefilling:
+                root = choose(logits[off + n - 1], s.sampling, s.gen)
+                s.start, s.history = s.filled, list(s.prompt)
+                out[s.id] = self._emit(s, [root])
             off += n
 
     def _decode(self, seqs: list[Seq], out: dict) -> None:

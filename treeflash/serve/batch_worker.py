@@ -81,7 +81,8 @@ class BatchWorker(Worker):
         self._stopping = threading.Event()
 
     def _new_decoder(self) -> BatchDecoder:
-        return BatchDecoder(self.engine.target, self.engine.drafter, capacity=self.capacity, page_size=PAGE_SIZE)
+        return BatchDecoder(self.engine.target, self.engine.drafter, capacity=self.capacity, page_size=PAGE_SIZE,
+                            prefill_chunk=self.config.prefill_chunk)
 
     @property
     def waiting(self) -> int:

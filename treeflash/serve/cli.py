@@ -25,6 +25,9 @@ def register(sub) -> None:
                    help="requests decoded together (continuous batching; > 1 needs the static backend; the KV "
                         "pool holds this many requests of --max-tokens-limit tokens; with --tree-size auto each "
                         "request's tree shrinks as the batch fills) (default: 1, one at a time)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="with --max-batch > 1: most prompt tokens prefilled per step, so a long prompt does not "
+                        "stall the running requests (default: 256)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
 
@@ -68,7 +71,7 @@ def _config(args, model_name: str):
     from ..config import GenerationConfig
     from .worker import ServeConfig
 
-    for name in ("max_tokens_limit", "max_new_tokens", "max_queue", "max_batch"):
+    for name in ("max_tokens_limit", "max_new_tokens", "max_queue", "max_batch", "prefill_chunk"):
         if getattr(args, name) < 1:
             raise TreeflashError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_new_tokens > args.max_tokens_limit:
@@ -77,7 +80,8 @@ def _config(args, model_name: str):
         raise TreeflashError("--max-prompt-tokens must be >= 1")
     return ServeConfig(model_name=model_name, generation=GenerationConfig.from_args(args),
                        max_tokens_limit=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
-                       api_key=args.api_key, max_queue=args.max_queue, max_batch=args.max_batch)
+                       api_key=args.api_key, max_queue=args.max_queue, max_batch=args.max_batch,
+                       prefill_chunk=args.prefill_chunk)
 
 
 def _warm_up(engine, config) -> None:

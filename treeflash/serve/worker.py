@@ -36,6 +36,7 @@ class ServeConfig:
     api_key: str | None = None
     max_queue: int = 64             # more waiting requests -> 429
     max_batch: int = 1              # > 1: continuous batching (`batch_worker.BatchWorker`)
+    prefill_chunk: int = 256        # batching: most prompt tokens prefilled per step
     # --tree-size auto with max_batch > 1: the `api.AutoChoice` the per-step budgets follow
     auto_budget: object | None = None
 

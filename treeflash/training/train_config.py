@@ -18,6 +18,7 @@ class TrainConfig:
     num_taps: int = 4
     block_size: int = 8
     treeflash: bool = True
+    ar_size: int = 0  # hidden size of the TreeFlash head's SwiGLU; 0 = the target's MLP size
     init: str = "target"  # "target" (last target layers) | "random" | a drafter directory
     freeze_body: bool = False  # train only the AR-approximation (needs init = a drafter directory)
     lr: float = 6e-4
@@ -48,6 +49,8 @@ class TrainConfig:
             raise TreeflashError(f"bad config value: {msg}")
         if self.block_size < 2:
             bad(f"block_size must be >= 2, got {self.block_size}")
+        if self.ar_size < 0:
+            bad(f"ar_size must be >= 0, got {self.ar_size}")
         if self.num_layers < 1:
             bad(f"num_layers must be >= 1, got {self.num_layers}")
         if self.num_taps < 1:

@@ -117,7 +117,7 @@ def build_drafter(cfg: TrainConfig, target: Target) -> Drafter:
         return d.train()
     dcfg = DrafterConfig.for_target(target.config, num_layers=cfg.num_layers, num_taps=cfg.num_taps,
                                     block_size=cfg.block_size, mask_token_id=target.default_mask_token(),
-                                    treeflash=cfg.treeflash)
+                                    treeflash=cfg.treeflash, ar_intermediate_size=cfg.ar_size or None)
     dcfg.vocab_size = target.vocab_rows
     if cfg.num_layers > target.config.num_hidden_layers and cfg.init == "target":
         raise TreeflashError(f"cannot initialise {cfg.num_layers} drafter layers from a "
