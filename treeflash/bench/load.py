@@ -158,6 +158,66 @@ def plot(levels: list[dict], path: Path) -> bool:
     return True
 
 
+def plot_arms(arms: dict[str, list[dict]], path: Path) -> bool:
+    """One line per arm: aggregate tokens/s against clients (False where matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    xs: set[int] = set()
+    for name, levels in arms.items():
+        x = [lv["clients"] for lv in levels]
+        xs.update(x)
+        ax.plot(x, [lv["aggregate_tokens_per_s"] for lv in levels], "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(xs), [str(x) for x in sorted(xs)])
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate tokens / s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def arms_table(arms: dict[str, list[dict]]) -> str:
+    """A markdown table: one row per arm, aggregate tokens/s per client count."""
+    counts = sorted({lv["clients"] for levels in arms.values() for lv in levels})
+    lines = ["| clients | " + " | ".join(map(str, counts)) + " |", "|---" * (len(counts) + 1) + "|"]
+    for name, levels in arms.items():
+        by = {lv["clients"]: lv["aggregate_tokens_per_s"] for lv in levels}
+        lines.append(f"| {name} | " + " | ".join(f"{by[c]:.1f}" if c in by else "" for c in counts) + " |")
+    return "\n".join(lines)
+
+
+def compare(specs: list[str], out: Path) -> int:
+    """--compare NAME=DIR ...: each DIR's results.json into one plot (load.png) and one table."""
+    from ..errors import TreeflashError
+
+    arms = {}
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not folder:
+            raise TreeflashError(f"--compare takes NAME=DIR, got {spec!r}")
+        path = Path(folder) / "results.json"
+        try:
+            arms[name] = json.loads(path.read_text())["levels"]
+        except (OSError, ValueError, KeyError) as e:
+            raise TreeflashError(f"cannot read a bench-load report from {path}: {e}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    table = arms_table(arms)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    plotted = plot_arms(arms, out / "load.png")
+    print(f"treeflash: wrote {out / 'table.md'}" + (f" and {out / 'load.png'}" if plotted else ""), file=sys.stderr)
+    return 0
+
+
 def _client_counts(value: str) -> list[int]:
     import argparse
 
@@ -173,7 +233,7 @@ def _client_counts(value: str) -> list[int]:
 def register(sub) -> None:
     p = sub.add_parser("bench-load", help="load-test a running server with N concurrent streaming clients",
                        description=__doc__.splitlines()[0])
-    p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", default=None, help="the server's base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--clients", type=_client_counts, default=[1, 2, 4, 8, 16],
                    help="client counts, one level each (default: 1,2,4,8,16)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -183,12 +243,19 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help="model id to send (default: none, the server's own)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--out", default="load-bench", help="directory for results.json and load.png")
+    p.add_argument("--compare", nargs="+", metavar="NAME=DIR", default=None,
+                   help="no load: draw the results.json of earlier runs (one line each) into OUT/load.png "
+                        "and print their table (OUT/table.md)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from ..errors import TreeflashError
 
+    if args.compare:
+        return compare(args.compare, Path(args.out))
+    if not args.url:
+        raise TreeflashError("bench-load needs --url (a running server) or --compare NAME=DIR ...")
     prompts = PROMPTS
     if args.prompts:
         try:
