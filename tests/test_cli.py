@@ -180,3 +180,17 @@ def test_the_command_table_matches_each_commands_own_help():
         sub = next(a for a in build_parser([name])._actions if isinstance(a, argparse._SubParsersAction))
         helps = {c.dest: c.help for c in sub._choices_actions}
         assert helps[name] == line, name
+
+
+def test_generate_compare_decodes_plainly_too(capsys):
+    """--compare: the same prompt decoded plainly in the same process (greedy: the same tokens) and
+    the speed ratio; in --json mode it is a field and stderr stays quiet."""
+    args = ["generate", "Name a color.", "--drafter", "random", "--max-new-tokens", "10", "--compare",
+            "--dtype", "float32"]
+    code, out, err = cli(capsys, *args, "--json")
+    assert code == 0 and err == ""
+    d = json.loads(out)
+    assert d["compare"]["plain_token_ids"] == d["token_ids"] and d["compare"]["speedup"] > 0
+    assert d["compare"]["plain"]["steps"] == len(d["token_ids"]) - 1  # the first token comes from the prefill
+    code, _, err = cli(capsys, *args)
+    assert code == 0 and "ran" in err and "x plain decoding" in err and "[vanilla@1]" in err

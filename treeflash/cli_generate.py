@@ -45,16 +45,21 @@ def summary(cfg, stats) -> str:
             f"{stats.total_s:.2f} s | {stats.tokens_per_second:.1f} tok/s | {stats.steps} steps")
 
 
-def compare(engine, args, cfg, stats) -> dict:
-    """Decode the same prompt plainly in this process and say how the two speeds compare."""
+def compare(engine, args, cfg, stats, quiet: bool = False) -> dict:
+    """Decode the same prompt plainly in this process and say how the two speeds compare (on
+    stderr unless quiet)."""
     plain_cfg = cfg.replace(method="vanilla", tree_size=1)
-    plain = engine.generate(args.prompt, plain_cfg, chat=args.chat).stats
+    result = engine.generate(args.prompt, plain_cfg, chat=args.chat)
+    plain = result.stats
     ratio = stats.tokens_per_second / max(plain.tokens_per_second, 1e-9)
+    out = {"plain": plain.to_dict(), "plain_token_ids": result.token_ids, "speedup": round(ratio, 3)}
+    if quiet:
+        return out
     print(summary(plain_cfg, plain), file=sys.stderr)
     print(f"treeflash: {cfg.method} at tree size {cfg.tree_size} ran {ratio:.2f}x plain decoding "
           f"({str(engine.target.dtype).removeprefix('torch.')}, {engine.target.backend} backend, {torch_threads()} threads, same process)",
           file=sys.stderr)
-    return {"plain": plain.to_dict(), "speedup": round(ratio, 3)}
+    return out
 
 
 def torch_threads() -> int:
@@ -74,7 +79,7 @@ def run(args) -> int:
         result = engine.generate(args.prompt, cfg, chat=args.chat)
         out = result.to_dict()
         if args.compare:
-            out["compare"] = compare(engine, args, cfg, result.stats)
+            out["compare"] = compare(engine, args, cfg, result.stats, quiet=True)
         print_json(out)
         return 0
     stats = Stats()
