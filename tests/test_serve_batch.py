@@ -501,6 +501,15 @@ def test_soak_sixteen_clients_with_random_disconnects(model_dirs, reference):
         assert want[(prompt, n)].startswith(text), (prompt, n)
 
 
+def test_load_bench_reads_the_tree_budget_gauge():
+    from treeflash.bench.load import gauge
+
+    text = ("# TYPE treeflash:tree_budget gauge\ntreeflash:tree_budget 3.0\n"
+            "vllm:num_requests_running 4\ntreeflash:tree_budget_x 9\n")
+    assert gauge(text, "treeflash:tree_budget") == 3.0 and gauge(text, "vllm:num_requests_running") == 4.0
+    assert gauge(text, "treeflash:missing") is None
+
+
 def test_load_bench_compare_draws_earlier_runs(tmp_path, capsys):
     """`bench-load --compare NAME=DIR ...`: one table (and plot) of earlier runs; a bad spec or a
     folder without a report is a one-line error."""

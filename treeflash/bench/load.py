@@ -97,6 +97,35 @@ async def _request(client, url: str, body: dict, t0: float) -> Timing:
     return timing
 
 
+def gauge(text: str, name: str) -> float | None:
+    """A gauge's value in Prometheus text (None if absent)."""
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == name:
+            try:
+                return float(parts[1])
+            except ValueError:
+                return None
+    return None
+
+
+async def _watch_budget(client, base_url: str, seen: dict, done: asyncio.Event) -> None:
+    """While a level runs: how often each tree budget (treeflash:tree_budget, --max-batch with
+    --tree-size auto) was seen on /metrics, polled every 0.25 s."""
+    while not done.is_set():
+        try:
+            r = await client.get(base_url.rstrip("/") + "/metrics")
+            b = gauge(r.text, "treeflash:tree_budget")
+            if b is not None:
+                seen[int(b)] = seen.get(int(b), 0) + 1
+        except Exception:  # noqa: BLE001  (a gauge missed is no failure of the bench)
+            pass
+        try:
+            await asyncio.wait_for(done.wait(), 0.25)
+        except asyncio.TimeoutError:
+            pass
+
+
 async def _level(base_url: str, prompts, clients: int, max_tokens: int, requests_per_client: int,
                  api_key: str | None, model: str | None, temperature: float, timeout: float) -> dict:
     import httpx
@@ -105,7 +134,10 @@ async def _level(base_url: str, prompts, clients: int, max_tokens: int, requests
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     timings: list[Timing] = []
+    budgets: dict[int, int] = {}
     async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
+        done = asyncio.Event()
+        watch = asyncio.create_task(_watch_budget(client, base_url, budgets, done))
         t0 = time.perf_counter()
 
         async def one_client(c: int) -> None:
@@ -119,7 +151,10 @@ async def _level(base_url: str, prompts, clients: int, max_tokens: int, requests
 
         await asyncio.gather(*(one_client(c) for c in range(clients)))
         wall = time.perf_counter() - t0
-    return summarise(timings, wall, clients) | {"timings": [asdict(t) for t in timings]}
+        done.set()
+        await watch
+    seen = {"tree_budgets_seen": dict(sorted(budgets.items()))} if budgets else {}
+    return summarise(timings, wall, clients) | seen | {"timings": [asdict(t) for t in timings]}
 
 
 def load_test(base_url: str, prompts=PROMPTS, clients: int = 1, max_tokens: int = 64, *, requests_per_client: int = 2,
@@ -274,7 +309,9 @@ def run(args) -> int:
         print(f"clients {n:3d}: {lv['aggregate_tokens_per_s']:8.1f} tok/s aggregate, "
               f"{lv['per_request_tokens_per_s']['mean']:7.1f} tok/s per request, "
               f"TTFT p50 {lv['ttft_s']['p50']:.3f} s, latency p50 {lv['latency_s']['p50']:.2f} s "
-              f"p99 {lv['latency_s']['p99']:.2f} s, {lv['failed']} failed", file=sys.stderr, flush=True)
+              f"p99 {lv['latency_s']['p99']:.2f} s, {lv['failed']} failed"
+              + (f", tree budgets seen {lv['tree_budgets_seen']}" if lv.get("tree_budgets_seen") else ""),
+              file=sys.stderr, flush=True)
     report = {"url": args.url, "max_tokens": args.max_tokens, "requests_per_client": args.requests_per_client,
               "levels": levels}
     (out / "results.json").write_text(json.dumps(report, indent=1))
