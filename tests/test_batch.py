@@ -182,10 +182,37 @@ def test_a_long_prompt_does_not_stall_the_batch(setup):
     assert dec.running[long].filled == 120
 
 
-def test_prefill_chunk_must_be_positive(setup):
+def test_prefill_chunk_must_be_positive_and_prompts_non_empty(setup):
     target, drafter, _ = setup
     with pytest.raises(TreeflashError, match="prefill_chunk"):
         BatchDecoder(target, drafter, prefill_chunk=0)
+    with pytest.raises(TreeflashError, match="empty prompt"):
+        BatchDecoder(target, drafter).add([], GenerationConfig(method="treeflash", tree_size=4))
+
+
+def test_chunked_prefill_gives_the_drafter_the_whole_context(setup):
+    """A real drafter's context after a prompt prefilled in 7-token chunks holds every prompt row, at
+    its position: its keys and values match those of a prompt prefilled whole (to float32 rounding
+    of differently shaped matrix products: a row missed or misplaced differs by far more), and the
+    first step's drafter states match too."""
+    target, drafter, _ = setup
+    prompt = list(range(3, 34))
+    cfg = GenerationConfig(method="treeflash", tree_size=8, max_new_tokens=6, ignore_eos=True)
+    states = []
+    for chunk in (None, 7):
+        dec = BatchDecoder(target, drafter, capacity=256, prefill_chunk=chunk)
+        sid = dec.add(prompt, cfg)
+        while dec.running.get(sid) is None or dec.running[sid].prefilling:
+            dec.step()
+        seq = dec.running[sid]
+        dec._draft([seq], [5])
+        states.append((seq.dcache, seq.ready))
+    (whole, h_whole), (chunked, h_chunked) = states
+    assert whole.length == chunked.length == len(prompt)
+    for i in range(len(drafter.model.layers)):
+        for a, b in ((whole.k[i], chunked.k[i]), (whole.v[i], chunked.v[i])):
+            assert a.shape == b.shape and (a - b).abs().max() < 1e-4 * (1 + a.abs().max())
+    assert (h_whole - h_chunked).abs().max() < 1e-4 * (1 + h_whole.abs().max())
 
 
 def test_mixed_methods_in_one_batch(setup):

@@ -188,7 +188,7 @@ def test_generate_compare_decodes_plainly_too(capsys):
     args = ["generate", "Name a color.", "--drafter", "random", "--max-new-tokens", "10", "--compare",
             "--dtype", "float32"]
     code, out, err = cli(capsys, *args, "--json")
-    assert code == 0 and err == ""
+    assert code == 0 and "plain decoding" not in err and "[vanilla@1]" not in err
     d = json.loads(out)
     assert d["compare"]["plain_token_ids"] == d["token_ids"] and d["compare"]["speedup"] > 0
     assert d["compare"]["plain"]["steps"] == len(d["token_ids"]) - 1  # the first token comes from the prefill

@@ -298,6 +298,9 @@ def test_disconnect_frees_its_slot_and_a_full_queue_is_429(batch_server):
 
 
 def test_metrics_show_the_batch_gauges(batch_server):
+    got = {}
+    stream_chat(batch_server, PROMPTS[5], 3, got)  # at least one generation, whatever ran before
+    assert got[PROMPTS[5]][1] in ("stop", "length"), got
     text = httpx.get(batch_server.url + "/metrics", timeout=10).text
     assert "# TYPE vllm:num_requests_running gauge" in text and "# TYPE vllm:num_requests_waiting gauge" in text
     assert metric(batch_server, "vllm:generation_tokens_total") > 0
@@ -379,6 +382,14 @@ def test_max_batch_needs_the_static_backend(model_dirs):
         "use --backend static or --max-batch 1"]
 
 
+def test_prefill_chunk_must_be_positive(model_dirs):
+    target_dir, drafter_dir = model_dirs
+    out = subprocess.run([sys.executable, "-m", "treeflash.cli", "serve", "--target", str(target_dir), "--drafter",
+                          str(drafter_dir), "--port", str(free_port()), "--max-batch", "4", "--prefill-chunk", "0"],
+                         capture_output=True, text=True, env=child_env(), timeout=300)
+    assert out.returncode == 2 and out.stderr.strip() == "error: --prefill-chunk must be >= 1", out.stderr
+
+
 # ---------------------------------------------------------------- the load bench
 def test_load_bench_statistics_from_fake_timings():
     from treeflash.bench.load import Timing, percentile, summarise
@@ -436,6 +447,7 @@ def test_soak_sixteen_clients_with_random_disconnects(model_dirs, reference):
     app = create_app(engine, ServeConfig(model_name="tiny", generation=GenerationConfig(**GEN, max_new_tokens=12),
                                          max_tokens_limit=LIMIT, api_key=API_KEY, max_queue=16, max_batch=8,
                                          prefill_chunk=16))
+    before = {id(o) for o in gc.get_objects() if type(o) is Seq}  # any left by earlier tests
     rng = random.Random(0)
     plan = [[(PROMPTS[rng.randrange(len(PROMPTS))], rng.choice([6, 14, 24]),
               rng.randrange(1, 4) if rng.random() < 0.35 else None) for _ in range(3)] for _ in range(16)]
@@ -469,7 +481,10 @@ def test_soak_sixteen_clients_with_random_disconnects(model_dirs, reference):
     with in_process(app) as url:
         def poll_health():
             while not stop.is_set():
-                healths.append(httpx.get(url + "/health", timeout=10).status_code)
+                try:
+                    healths.append(httpx.get(url + "/health", timeout=10).status_code)
+                except Exception as e:  # noqa: BLE001  (a failed poll fails the test below)
+                    healths.append(repr(e))
                 time.sleep(0.05)
 
         poller = threading.Thread(target=poll_health)
@@ -488,7 +503,8 @@ def test_soak_sixteen_clients_with_random_disconnects(model_dirs, reference):
         assert not worker.active and not dec.running and not dec.waiting and not dec.finished
         assert dec.cache.reserved_slots == 0 and dec.cache.free_slots == dec.cache.capacity
         gc.collect()
-        assert not [o for o in gc.get_objects() if type(o) is Seq], "a finished sequence is still referenced"
+        left_over = [o for o in gc.get_objects() if type(o) is Seq and id(o) not in before]
+        assert not left_over, "a finished sequence is still referenced"
     assert len(got) == 48
     assert healths and set(healths) == {200}
     left = [g for g in got if g[2] == "left"]
@@ -502,12 +518,17 @@ def test_soak_sixteen_clients_with_random_disconnects(model_dirs, reference):
 
 
 def test_load_bench_reads_the_tree_budget_gauge():
+    """bench-load reads the server's own /metrics text (labelled samples)."""
     from treeflash.bench.load import gauge
+    from treeflash.serve.metrics import Metrics
 
-    text = ("# TYPE treeflash:tree_budget gauge\ntreeflash:tree_budget 3.0\n"
-            "vllm:num_requests_running 4\ntreeflash:tree_budget_x 9\n")
+    metrics = Metrics("tiny model")
+    assert gauge(metrics.render(), "treeflash:tree_budget") is None
+    metrics.set_tree_budget(3)
+    metrics.set_load(4, 1)
+    text = metrics.render()
     assert gauge(text, "treeflash:tree_budget") == 3.0 and gauge(text, "vllm:num_requests_running") == 4.0
-    assert gauge(text, "treeflash:missing") is None
+    assert gauge("treeflash:tree_budget_x 9\n", "treeflash:tree_budget") is None
 
 
 def test_load_bench_compare_draws_earlier_runs(tmp_path, capsys):

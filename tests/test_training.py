@@ -490,3 +490,19 @@ def test_ranks_talk_over_gloo_where_a_gpu_is_seen_too(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.setdefault("backend", backend))
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     assert trainer.dist_env() == (1, 2) and seen["backend"] == "gloo"
+
+
+def test_ar_size_sets_the_treeflash_heads_width(env, tmp_path):
+    """--ar-size: the TreeFlash head's hidden size (default: the target's MLP size), kept by export
+    and load; a negative size is refused."""
+    from treeflash.models.drafter import load_drafter
+    from treeflash.training.trainer import build_drafter
+
+    small = build_drafter(config(env, "ar", ar_size=24), env["target"])
+    assert small.ar_approximation.d.weight.shape[1] == 24
+    default = build_drafter(config(env, "ar0"), env["target"])
+    assert default.ar_approximation.d.weight.shape[1] == env["target"].config.intermediate_size
+    small.save(tmp_path / "d")
+    assert load_drafter(tmp_path / "d").config.ar_size == 24
+    with pytest.raises(TreeflashError, match="ar_size"):
+        config(env, "bad", ar_size=-1).check()

@@ -98,14 +98,14 @@ async def _request(client, url: str, body: dict, t0: float) -> Timing:
 
 
 def gauge(text: str, name: str) -> float | None:
-    """A gauge's value in Prometheus text (None if absent)."""
+    """A gauge's first sample in Prometheus text, labels or not (None if absent)."""
     for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0] == name:
-            try:
-                return float(parts[1])
-            except ValueError:
-                return None
+        if line.startswith("#") or line.split("{", 1)[0].split(" ", 1)[0] != name:
+            continue
+        try:
+            return float(line.rsplit(None, 1)[1])
+        except (IndexError, ValueError):
+            return None
     return None
 
 
@@ -242,7 +242,9 @@ def compare(specs: list[str], out: Path) -> int:
         path = Path(folder) / "results.json"
         try:
             arms[name] = json.loads(path.read_text())["levels"]
-        except (OSError, ValueError, KeyError) as e:
+            for lv in arms[name]:
+                float(lv["clients"]), float(lv["aggregate_tokens_per_s"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise TreeflashError(f"cannot read a bench-load report from {path}: {e}") from None
     out.mkdir(parents=True, exist_ok=True)
     table = arms_table(arms)

@@ -159,8 +159,8 @@ def max_depth(seq: Seq, limit: int) -> int:
 class BatchDecoder:
     """Continuous batching of decode requests over one target (static backend).
 
-    `add` queues a request, `step` advances every running sequence by one verified tree (and
-    admits waiting ones), `cancel` ends one; requests join and leave between steps. `capacity`:
+    `add` queues a request, `step` advances every decoding sequence by one verified tree (and
+    admits waiting ones and prefills the next chunk of their prompts), `cancel` ends one; requests join and leave between steps. `capacity`:
     the slot pool (None: sized at the first step for every request added by then).
     `prefill_chunk`: most prompt tokens prefilled per step, all waiting prompts together (None:
     every admitted prompt whole in the step it joins)."""
@@ -189,6 +189,8 @@ class BatchDecoder:
         sampling, max_new_tokens, seed and ignore_eos; `stop_ids` overrides the target's."""
         cfg = config or GenerationConfig()
         vocab = self.target.vocab_rows
+        if not prompt_ids:
+            raise TreeflashError("empty prompt: a request needs at least one token")
         if len(prompt_ids) >= self.limit:
             raise TreeflashError(f"prompt has {len(prompt_ids)} tokens; the context window is {self.limit}")
         if cfg.max_new_tokens < 1:

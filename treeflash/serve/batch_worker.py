@@ -2,14 +2,16 @@
 
 Requests wait in a FIFO queue (`--max-queue` bounds it: 429 beyond). Before each step the worker
 moves waiting requests into the decoder while fewer than N run, so a request joins the running
-batch at the next step (its prompt is prefilled in that step) and leaves when it ends: a stop
+batch at the next step (its prompt is prefilled from that step on, `--prefill-chunk` prompt tokens
+per step for all newcomers together) and leaves when it ends: a stop
 token, max_tokens, a stop string in its text (its own `TextAssembler`; the sequence is cancelled)
 or its client leaving (cancelled before the next step: its pool slots go back at once). Each
 sequence's new tokens become text events of its `Job`, as `worker.Worker` streams them; `Job`,
 `Done` and the metrics are that module's. The KV pool holds N worst-case requests
 (`pool_slots`), so admission never waits for slots. With --tree-size auto each running
-sequence's tree budget follows the load every step (`costmodel.adaptive_budget`: the bs=1 best
-at batch 1, down to plain decoding as the batch fills); a fixed tree size stays fixed.
+sequence's tree budget follows the load every step (`costmodel.adaptive_budget` over the
+sequences past their prefill: the bs=1 best at batch 1, down to plain decoding as the batch
+fills); a fixed tree size stays fixed.
 """
 from __future__ import annotations
 
@@ -96,7 +98,7 @@ class BatchWorker(Worker):
         super().stop()
 
     def _update_load(self) -> None:
-        self.running = len(self.active)  # in the batch (newcomers are prefilled at the next step)
+        self.running = len(self.active)  # in the batch, prompts still being prefilled included
         self.metrics.set_load(self.running, self.waiting)
 
     # ---- the loop ----
@@ -166,7 +168,8 @@ class BatchWorker(Worker):
         choice = self.config.auto_budget
         if choice is None or self.budget < 2:
             return
-        n = len(self.decoder.running)
+        # rows in the tree forward come from decoding sequences; prompts being prefilled run apart
+        n = max(1, sum(not s.prefilling for s in self.decoder.running.values()))
         if n not in self._budgets:
             self._budgets[n] = self.budget if n <= 1 else costmodel.adaptive_budget(
                 choice.verify_costs, choice.node_accept, choice.draft_fn(), n, self.budget)
