@@ -169,31 +169,12 @@ def load_test(base_url: str, prompts=PROMPTS, clients: int = 1, max_tokens: int 
 
 
 def plot(levels: list[dict], path: Path) -> bool:
-    """Aggregate tokens/s against clients (False where matplotlib is missing)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    xs = [lv["clients"] for lv in levels]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(xs, [lv["aggregate_tokens_per_s"] for lv in levels], "o-", label="aggregate")
-    ax.plot(xs, [lv["per_request_tokens_per_s"]["mean"] for lv in levels], "s--", label="per request (mean)")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.set_xlabel("concurrent clients")
-    ax.set_ylabel("tokens / s")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    """One run: aggregate and mean per-request tokens/s against clients."""
+    per_request = [{**lv, "aggregate_tokens_per_s": lv["per_request_tokens_per_s"]["mean"]} for lv in levels]
+    return plot_arms({"aggregate": levels, "per request (mean)": per_request}, path, "tokens / s")
 
 
-def plot_arms(arms: dict[str, list[dict]], path: Path) -> bool:
+def plot_arms(arms: dict[str, list[dict]], path: Path, ylabel: str = "aggregate tokens / s") -> bool:
     """One line per arm: aggregate tokens/s against clients (False where matplotlib is missing)."""
     try:
         import matplotlib
@@ -204,14 +185,14 @@ def plot_arms(arms: dict[str, list[dict]], path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     xs: set[int] = set()
-    for name, levels in arms.items():
+    for (name, levels), style in zip(arms.items(), ["o-", "s--", "^-", "v-", "d-", "x-"] * 4):
         x = [lv["clients"] for lv in levels]
         xs.update(x)
-        ax.plot(x, [lv["aggregate_tokens_per_s"] for lv in levels], "o-", label=name)
+        ax.plot(x, [lv["aggregate_tokens_per_s"] for lv in levels], style, label=name)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(xs), [str(x) for x in sorted(xs)])
     ax.set_xlabel("concurrent clients")
-    ax.set_ylabel("aggregate tokens / s")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
