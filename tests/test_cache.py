@@ -372,3 +372,32 @@ def test_hf_backend_passes_the_cache_under_the_name_the_decoder_takes(monkeypatc
     assert cache.length == len(seq)
     ref, _ = hf_reference(target, seq)
     torch.testing.assert_close(logits[0].float(), ref[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_lazy_logits_of_a_large_head_read_it_once_for_all_rows(monkeypatch):
+    """A head over ALL_ROWS_BYTES: the first row asked for is computed alone (a prefill reads one),
+    the second brings every row in one product; the values are the row-by-row ones. A small head
+    stays row by row."""
+    from treeflash.models import lazy_logits
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    h = torch.randn(6, 8)
+    calls = []
+    orig = head.forward
+    head.forward = lambda x: calls.append(len(x)) or orig(x)
+    small = LazyLogits(h, head)
+    for i in (0, 3, 1):
+        torch.testing.assert_close(small[i], orig(h[i:i + 1])[0], atol=0, rtol=0)
+    assert calls == [1, 1, 1] and sorted(small.rows) == [0, 1, 3]
+    monkeypatch.setattr(lazy_logits, "ALL_ROWS_BYTES", 100)  # this head (1.6 KB) counts as large
+    calls.clear()
+    big = LazyLogits(h, head)
+    first = big[0]
+    assert calls == [1]
+    rows = [big[i] for i in (3, 1, 5, 0)]
+    assert calls == [1, 6] and sorted(big.rows) == list(range(6))
+    assert big[0] is first
+    for i, r in zip((3, 1, 5), rows):
+        assert torch.equal(r.argmax(), orig(h[i:i + 1])[0].argmax())
+        torch.testing.assert_close(r, orig(h[i:i + 1])[0], atol=1e-5, rtol=1e-5)

@@ -558,3 +558,22 @@ def test_engine_layout_exports_hold_only_the_model_and_are_world_readable(tmp_pa
     assert torch.equal(load_drafter(tmp_path / "tf").draft_vocab, d.draft_vocab)
     for p in [*(tmp_path / "df").iterdir(), *(tmp_path / "tf").iterdir()]:
         assert stat.S_IMODE(p.stat().st_mode) == 0o644, p
+
+
+def test_shipped_qwen_drafter_fits_qwen2_5_coder_0_5b():
+    """The default drafter of `--target qwen2.5-coder-0.5b` is shipped, at most 50 MB, and fits the
+    target's shape (Qwen2.5-Coder-0.5B-Instruct's config, no weights needed); it loads."""
+    from transformers import Qwen2Config
+
+    from treeflash.models import registry
+
+    path = registry.resolve_drafter(None, "qwen2.5-coder-0.5b")
+    assert path is not None and path == registry.resolve_drafter(None, "Qwen/Qwen2.5-Coder-0.5B-Instruct")
+    assert (path / "model.safetensors").stat().st_size <= 50_000_000
+    tcfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                       tie_word_embeddings=True)
+    cfg = DrafterConfig.from_dict(json.loads((path / "config.json").read_text()))
+    check_fits(cfg, tcfg, 151936)
+    d = load_drafter(path)
+    assert d.draft_vocab is not None and len(d.draft_vocab) <= 151936

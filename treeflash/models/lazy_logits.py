@@ -3,6 +3,13 @@ from __future__ import annotations
 
 import torch
 
+# An LM head of more bytes than this is read once for all of a forward's rows at the first row asked
+# for: on a CPU one row costs a read of the whole matrix (Qwen2.5-0.5B's 152k x 896 in bf16, 272 MB:
+# about 24 ms a row on 2 cores), so a tree's rows cost about one row in one product, and the walk
+# reads 2-8 of them. The first row asked for is computed alone (a prefill asks for its last row
+# only). A smaller head (SmolLM2's 49k x 576, 56 MB) stays row by row.
+ALL_ROWS_BYTES = 128 * 2**20
+
 
 class LazyLogits:
     """A forward's logits, indexable by node without the LM head over every row: the acceptance walk
@@ -12,6 +19,8 @@ class LazyLogits:
     def __init__(self, h: torch.Tensor, lm_head):
         self.h, self.lm_head = h, lm_head  # h [N, H] final-normed states
         self.rows: dict[int, torch.Tensor] = {}
+        w = lm_head.weight
+        self.all_rows = 1 < h.shape[0] <= 64 and w.numel() * w.element_size() > ALL_ROWS_BYTES
 
     def __len__(self) -> int:
         return self.h.shape[0]
@@ -22,5 +31,8 @@ class LazyLogits:
             return self.lm_head(self.h[i]).float()
         i = range(len(self))[i]  # a negative index counts from the end
         if i not in self.rows:
-            self.rows[i] = self.lm_head(self.h[i:i + 1]).float()[0]
+            if self.all_rows and self.rows:  # a second row of a large head: every row in one read
+                self.rows = dict(enumerate(self.lm_head(self.h).float())) | self.rows
+            else:
+                self.rows[i] = self.lm_head(self.h[i:i + 1]).float()[0]
         return self.rows[i]

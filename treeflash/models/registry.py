@@ -62,7 +62,9 @@ TARGETS: dict[str, GGUFSource] = {
 # The shipped drafter for each built-in target (used when --drafter is not given); a target's
 # repository id finds the drafter of the built-in target made from it.
 DEFAULT_DRAFTERS = {"smollm2-135m": "smollm2-135m-treeflash",
-                    "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-treeflash"}
+                    "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-treeflash",
+                    "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-treeflash",
+                    "Qwen/Qwen2.5-Coder-0.5B-Instruct": "qwen2.5-coder-0.5b-treeflash"}
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 TARGET_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 DRAFTER_FILES = ["*.json", "*.safetensors"]
