@@ -139,7 +139,7 @@ def batch_server(model_dirs):
     gen = GenerationConfig(**GEN, max_new_tokens=12)
     app = create_app(engine, ServeConfig(model_name="tiny", generation=gen, max_tokens_limit=LIMIT, api_key=API_KEY,
                                          max_queue=MAX_QUEUE, max_batch=MAX_BATCH, prefill_chunk=5))
-    worker, hold = app.state.worker, threading.Event()
+    worker, hold, holding = app.state.worker, threading.Event(), threading.Event()
     step = worker.decoder.step
 
     def held_step():
@@ -150,7 +150,9 @@ def batch_server(model_dirs):
             return any(not s.prefilling for s in dec.running.values())
 
         while hold.is_set() and decoding() and not all(a.job.cancelled.is_set() for a in worker.active.values()):
+            holding.set()  # the worker waits here: what is submitted now stays queued
             time.sleep(0.01)
+        holding.clear()
         if hold.is_set() and decoding():
             return {}  # released by the clients leaving: the worker drops them before the next step
         return step()
@@ -158,7 +160,7 @@ def batch_server(model_dirs):
     worker.decoder.step = held_step
     try:
         with in_process(app) as url:
-            yield types.SimpleNamespace(url=url, hold=hold, worker=worker)
+            yield types.SimpleNamespace(url=url, hold=hold, holding=holding, worker=worker)
     finally:
         hold.clear()
 
@@ -214,6 +216,7 @@ def test_concurrent_staggered_streams_get_their_alone_answers(batch_server, refe
         clients = [threading.Thread(target=stream_chat, args=(server, p, n, got)) for p, n in zip(PROMPTS, lengths)]
         clients[0].start()
         wait_until(lambda: health(server)["running"] == 1, "A to run")
+        wait_until(server.holding.is_set, "A's prefill to end and the worker to hold")
         for t in clients[1:3]:
             t.start()
         wait_until(lambda: health(server)["waiting"] == 2, "B and C to queue")
@@ -276,6 +279,7 @@ def test_disconnect_frees_its_slot_and_a_full_queue_is_429(batch_server):
             first = next(line for line in lines if line.startswith("data: "))
             assert json.loads(first[6:])["choices"][0]["delta"]
             wait_until(lambda: health(server)["running"] == 1, "A to run")
+            wait_until(server.holding.is_set, "the worker to hold A")
             assert worker.decoder.cache.reserved_slots > 0
             b = [threading.Thread(target=stream_chat, args=(server, PROMPTS[1], 6, got, f"B{i}")) for i in range(2)]
             for t in b:

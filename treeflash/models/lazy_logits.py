@@ -11,6 +11,11 @@ import torch
 ALL_ROWS_BYTES = 128 * 2**20
 
 
+def head_bytes(module) -> int:
+    """Bytes of a head's tensors (a quantized head keeps its weights in buffers)."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
 class LazyLogits:
     """A forward's logits, indexable by node without the LM head over every row: the acceptance walk
     reads only the nodes on its path (tau of them), so the LM head (49k x 576 for SmolLM2: a fifth
@@ -19,8 +24,7 @@ class LazyLogits:
     def __init__(self, h: torch.Tensor, lm_head):
         self.h, self.lm_head = h, lm_head  # h [N, H] final-normed states
         self.rows: dict[int, torch.Tensor] = {}
-        w = lm_head.weight
-        self.all_rows = 1 < h.shape[0] <= 64 and w.numel() * w.element_size() > ALL_ROWS_BYTES
+        self.all_rows = 1 < h.shape[0] <= 64 and head_bytes(lm_head) > ALL_ROWS_BYTES
 
     def __len__(self) -> int:
         return self.h.shape[0]
