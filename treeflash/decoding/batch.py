@@ -160,8 +160,9 @@ class BatchDecoder:
     """Continuous batching of decode requests over one target (static backend).
 
     `add` queues a request, `step` advances every decoding sequence by one verified tree (and
-    admits waiting ones and prefills the next chunk of their prompts), `cancel` ends one; requests join and leave between steps. `capacity`:
-    the slot pool (None: sized at the first step for every request added by then).
+    admits waiting ones and prefills the next chunk of their prompts), `cancel` ends one; requests
+    join and leave between steps. `capacity`: the slot pool (None: sized at the first step for
+    every request added by then).
     `prefill_chunk`: most prompt tokens prefilled per step, all waiting prompts together (None:
     every admitted prompt whole in the step it joins)."""
 

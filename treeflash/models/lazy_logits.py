@@ -24,7 +24,6 @@ class LazyLogits:
     def __init__(self, h: torch.Tensor, lm_head):
         self.h, self.lm_head = h, lm_head  # h [N, H] final-normed states
         self.rows: dict[int, torch.Tensor] = {}
-        self.all_rows = 1 < h.shape[0] <= 64 and head_bytes(lm_head) > ALL_ROWS_BYTES
 
     def __len__(self) -> int:
         return self.h.shape[0]
@@ -35,8 +34,13 @@ class LazyLogits:
             return self.lm_head(self.h[i]).float()
         i = range(len(self))[i]  # a negative index counts from the end
         if i not in self.rows:
-            if self.all_rows and self.rows:  # a second row of a large head: every row in one read
+            if self.rows and self._all_rows():  # a second row of a large head: every row in one read
                 self.rows = dict(enumerate(self.lm_head(self.h).float())) | self.rows
             else:
                 self.rows[i] = self.lm_head(self.h[i:i + 1]).float()[0]
         return self.rows[i]
+
+    def _all_rows(self) -> bool:
+        """Whether to compute every row at once (asked only at a second row: a prefill or a plain
+        step, which read one row, never pays for the check)."""
+        return 1 < self.h.shape[0] <= 64 and head_bytes(self.lm_head) > ALL_ROWS_BYTES
