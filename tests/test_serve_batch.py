@@ -48,6 +48,44 @@ def test_adaptive_budget_shrinks_as_the_batch_fills():
     assert costmodel.adaptive_budget(costs, ACCEPT, 0.05, 4, 3) <= 3  # never above the reservation
 
 
+def _tune(tuner, n, predicted, rate_of, steps):
+    """Drive a BudgetTuner for `steps` steps where budget b yields rate_of[b] tokens/s."""
+    chosen = []
+    for _ in range(steps):
+        b = tuner.choose(n, predicted)
+        tuner.record(n, b, int(rate_of[b]), 1.0)
+        chosen.append(b)
+    return chosen
+
+
+def test_budget_tuner_keeps_plain_decoding_when_the_models_choice_measures_slower():
+    from treeflash.serve.budget_tuner import MIN_STEPS, BudgetTuner, candidates
+
+    assert candidates(6) == (1, 3, 6) and candidates(2) == (1, 2) and candidates(1) == (1,)
+    tuner = BudgetTuner()
+    chosen = _tune(tuner, 8, 6, {1: 70, 3: 60, 6: 45}, 40)
+    assert sorted(set(chosen[:3 * MIN_STEPS])) == [1, 3, 6]      # every candidate measured first
+    assert chosen[3 * MIN_STEPS:].count(1) == len(chosen) - 3 * MIN_STEPS and tuner.best(8) == 1
+    # where the model was right, its choice wins
+    tuner = BudgetTuner()
+    assert _tune(tuner, 4, 6, {1: 40, 3: 50, 6: 65}, 40)[-1] == 6 and tuner.best(4) == 6
+
+
+def test_budget_tuner_passes_batch_one_and_plain_through_and_explores_again():
+    from treeflash.serve.budget_tuner import EXPLORE_EVERY, BudgetTuner
+
+    tuner = BudgetTuner()
+    assert tuner.choose(1, 8) == 8 and tuner.choose(5, 1) == 1 and tuner.best(1) is None
+    chosen = _tune(tuner, 3, 4, {1: 30, 2: 50, 4: 40}, 3 * EXPLORE_EVERY)
+    late = chosen[EXPLORE_EVERY:]
+    assert late.count(2) < len(late) and {1, 4} & set(late)  # the others are measured again now and then
+    # rates that change are followed: plain decoding becomes the fastest
+    _tune(tuner, 3, 4, {1: 90, 2: 50, 4: 40}, 6 * EXPLORE_EVERY)
+    assert tuner.best(3) == 1
+    # a new prediction at this batch size starts its candidates afresh
+    assert tuner.choose(3, 8) in (1, 4, 8) and tuner.levels[3].options == (1, 4, 8)
+
+
 def test_adaptive_budget_is_plain_when_verify_cost_is_linear_in_rows():
     linear = {0: 0.0, **{n: 0.5 * n for n in costmodel.SIZES}}
     for b in (1, 2, 8, 16):

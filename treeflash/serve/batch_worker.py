@@ -11,7 +11,8 @@ sequence's new tokens become text events of its `Job`, as `worker.Worker` stream
 (`pool_slots`), so admission never waits for slots. With --tree-size auto each running
 sequence's tree budget follows the load every step (`costmodel.adaptive_budget` over the
 sequences past their prefill: the bs=1 best at batch 1, down to plain decoding as the batch
-fills); a fixed tree size stays fixed.
+fills), and at each batch size `BudgetTuner` keeps the fastest of that choice, plain decoding and
+one between, as this server's own decode-only steps measure them; a fixed tree size stays fixed.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ..decoding.batch import BatchDecoder
 from ..decoding.generate import Stats
 from ..decoding.text import TextAssembler
 from ..errors import TreeflashError
+from .budget_tuner import BudgetTuner
 from .metrics import Metrics
 from .schemas import ApiError
 from .worker import Done, Job, ServeConfig, Worker
@@ -80,6 +82,7 @@ class BatchWorker(Worker):
         self.active: dict[int, Active] = {}
         self.peak = 0            # most sequences decoded together so far (tests, logs)
         self._budgets: dict[int, int] = {}
+        self.tuner = BudgetTuner()  # per batch size: the measured fastest of the model's choice, plain and one between
         self._stopping = threading.Event()
 
     def _new_decoder(self) -> BatchDecoder:
@@ -110,11 +113,14 @@ class BatchWorker(Worker):
                 return
             if not self.decoder.busy:
                 continue
-            self._set_budgets()
+            plan = self._set_budgets()
             self._update_load()
             self.peak = max(self.peak, len(self.active))
             try:
+                t0 = time.perf_counter()
                 out = self.decoder.step()
+                if plan is not None:
+                    self.tuner.record(*plan, sum(map(len, out.values())), time.perf_counter() - t0)
                 for sid, toks in out.items():
                     self._deliver(sid, toks)
             except Exception as e:  # a bug: report it, answer 500 to the batch, keep serving
@@ -163,19 +169,24 @@ class BatchWorker(Worker):
                 self.decoder.cancel(sid)
                 self._finish(sid, aborted=True)
 
-    def _set_budgets(self) -> None:
-        """--tree-size auto: every running sequence's budget for this step's batch size."""
+    def _set_budgets(self) -> tuple[int, int] | None:
+        """--tree-size auto: every running sequence's budget for this step's batch size (the cost
+        model's choice, checked against measured steps by the tuner). Returns (batch size, budget)
+        when the step will only decode, so that its speed can be recorded; else None."""
         choice = self.config.auto_budget
         if choice is None or self.budget < 2:
-            return
+            return None
         # rows in the tree forward come from decoding sequences; prompts being prefilled run apart
         n = max(1, sum(not s.prefilling for s in self.decoder.running.values()))
         if n not in self._budgets:
             self._budgets[n] = self.budget if n <= 1 else costmodel.adaptive_budget(
                 choice.verify_costs, choice.node_accept, choice.draft_fn(), n, self.budget)
+        budget = self.tuner.choose(n, self._budgets[n])
         for sid in self.decoder.running:
-            self.decoder.set_budget(sid, self._budgets[n])
-        self.metrics.set_tree_budget(self._budgets[n])
+            self.decoder.set_budget(sid, budget)
+        self.metrics.set_tree_budget(budget)
+        only_decodes = not self.decoder.waiting and not any(s.prefilling for s in self.decoder.running.values())
+        return (n, budget) if only_decodes else None
 
     def _deliver(self, sid: int, toks: list[int]) -> None:
         a = self.active.get(sid)
