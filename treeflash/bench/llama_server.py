@@ -136,7 +136,8 @@ def _drafter_key(target_name: str) -> str:
 
     path = registry.resolve_drafter(None, target_name)
     h = hashlib.sha1(GGUF_EXPORT_VERSION.encode())
-    for f in sorted(path.glob("*")) if path is not None else ():
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    h.update((path / "config.json").read_bytes() if path is not None else b"")
+    if path is not None:
+        for f in sorted(path.glob("*")):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+        h.update((path / "config.json").read_bytes())
     return h.hexdigest()[:10]

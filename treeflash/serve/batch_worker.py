@@ -177,7 +177,8 @@ class BatchWorker(Worker):
         if choice is None or self.budget < 2:
             return None
         # rows in the tree forward come from decoding sequences; prompts being prefilled run apart
-        n = max(1, sum(not s.prefilling for s in self.decoder.running.values()))
+        decoding = sum(not s.prefilling for s in self.decoder.running.values())
+        n = max(1, decoding)
         if n not in self._budgets:
             self._budgets[n] = self.budget if n <= 1 else costmodel.adaptive_budget(
                 choice.verify_costs, choice.node_accept, choice.draft_fn(), n, self.budget)
@@ -185,7 +186,7 @@ class BatchWorker(Worker):
         for sid in self.decoder.running:
             self.decoder.set_budget(sid, budget)
         self.metrics.set_tree_budget(budget)
-        only_decodes = not self.decoder.waiting and not any(s.prefilling for s in self.decoder.running.values())
+        only_decodes = not self.decoder.waiting and decoding == len(self.decoder.running)
         return (n, budget) if only_decodes else None
 
     def _deliver(self, sid: int, toks: list[int]) -> None:
