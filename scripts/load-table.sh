@@ -4,12 +4,15 @@
 # where `make llama-cpp` has built llama-server, the same load on `llama-server -np 8` (8 slots,
 # continuous batching) over the target as a bf16 GGUF and as its shipped Q4_1 GGUF, 2 threads;
 # then one table and one plot of all arms (bench-out/load/table.md, load.png).
+# BACKEND (default compiled) is our servers' --backend; a cold start compiles each tree-forward
+# bucket once (minutes; inductor keeps them on disk), so a server gets up to 30 minutes to come up.
 set -eu
 TF=${TF:-.venv/bin/treeflash}
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench-out/load}
 PORT=${PORT:-8011}
 TARGET=${TARGET:-smollm2-135m}
+BACKEND=${BACKEND:-compiled}
 LLAMA_SERVER=${LLAMA_SERVER:-.llama.cpp/build/bin/llama-server}
 mkdir -p "$OUT"
 pid=
@@ -19,7 +22,7 @@ arm() {  # name, server command...
   "$@" > "$OUT/$name.server.log" 2>&1 &
   pid=$!
   local up=
-  for _ in $(seq 300); do
+  for _ in $(seq 1800); do
     "$PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=5)" 2> /dev/null && up=1 && break
     kill -0 "$pid" 2> /dev/null || break
     sleep 1
@@ -30,7 +33,7 @@ arm() {  # name, server command...
   kill "$pid"; wait "$pid" 2> /dev/null || true
   pid=
 }
-serve() { echo "$TF" serve --target "$TARGET" --port "$PORT" --max-batch 8 "$@"; }
+serve() { echo "$TF" serve --target "$TARGET" --backend "$BACKEND" --port "$PORT" --max-batch 8 "$@"; }
 arm plain $(serve --method vanilla)
 arm treeflash+lookup-adaptive $(serve --tree-size auto)
 arm treeflash+lookup-8 $(serve --tree-size 8)

@@ -126,8 +126,8 @@ def batched(target, drafter, greedy, methods, sampling=SamplingParams(), reqs=RE
     return [toks[ids[i]] for i in range(len(reqs))], dec, sizes
 
 
-def check_against_alone(got, dec, ref, drafted: bool):
-    for i, (r, (want, stats)) in enumerate(zip(REQS, ref)):
+def check_against_alone(got, dec, ref, drafted: bool, reqs=REQS):
+    for i, (r, (want, stats)) in enumerate(zip(reqs, ref)):
         st = dec.finished[i].stats
         if r.cancel is not None:
             assert got[i] == want[:len(got[i])] and len(got[i]) < len(want), i
@@ -138,7 +138,7 @@ def check_against_alone(got, dec, ref, drafted: bool):
     assert dec.cache.free_slots == dec.cache.capacity and dec.cache.reserved_slots == 0
     assert not dec.running and not dec.waiting
     if drafted:  # the oracle's trees are accepted deep: the test covers long accepted paths
-        steps = [dec.finished[i].stats for i, r in enumerate(REQS) if r.n > 20 and r.cancel is None]
+        steps = [dec.finished[i].stats for i, r in enumerate(reqs) if r.n > 20 and r.cancel is None]
         assert sum(sum(s.acceptance_lengths) for s in steps) / sum(s.steps for s in steps) > 1.5
 
 
@@ -160,6 +160,45 @@ def test_chunked_prefill_equals_alone(setup, method):
     methods = [method] * len(REQS)
     got, dec, _ = batched(target, drafter, greedy, methods, prefill_chunk=7)
     check_against_alone(got, dec, alone(target, drafter, greedy, methods), method in DRAFTED)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "treeflash+lookup"])
+def test_compiled_batched_steps_equal_alone_and_compile_nothing_inside(method):
+    """On the compiled backend a batch's tree forward runs the compiled step graphs (rows padded to
+    a bucket; padding rows write the pool's spare slots): every request decodes what it decodes
+    alone, fp32 greedy, and after `warm` no step compiles anything."""
+    from torch._dynamo.utils import counters
+
+    target = tiny_target("llama", logit_scale=3.0).set_backend("compiled")
+    drafter = tiny_drafter(target, block_size=8)
+    reqs = [replace(r, budget=4) for r in REQS[:4]]  # at most 16 rows: buckets 1..16 (compiling costs seconds)
+    greedy = [vanilla(target, r.prompt, r.n) for r in reqs]
+    methods = [method] * len(reqs)
+    ref = alone(target, drafter, greedy, methods, reqs=reqs)
+    runner, rows = target.runner, []
+    compiled_step = runner._compiled_step
+
+    def spy(taps):
+        step = compiled_step(taps)
+
+        def run(ids, pos, slots, mask, cache, tap_ids):
+            pages = cache.capacity - runner.spare_slots
+            rows.append((len(ids), int((slots >= pages).sum())))  # (bucket, padding rows: on spare slots)
+            return step(ids, pos, slots, mask, cache, tap_ids)
+        return run
+
+    BatchDecoder(target, drafter, capacity=CAPACITY).warm(4 * len(reqs))
+    graphs = counters["stats"]["unique_graphs"]
+    runner._compiled_step = spy
+    try:
+        got, dec, sizes = batched(target, drafter, greedy, methods, reqs=reqs)
+    finally:
+        del runner._compiled_step
+    check_against_alone(got, dec, ref, method in DRAFTED, reqs=reqs)
+    assert counters["stats"]["unique_graphs"] == graphs, "a batched step compiled a graph"
+    assert max(sizes) >= 3 and len(rows) == len(sizes), "every tree forward ran a compiled graph"
+    if method in DRAFTED:  # trees of 1..4 nodes per sequence: most steps are padded to a bucket
+        assert max(b for b, _ in rows) >= 8 and any(pad for _, pad in rows)
 
 
 def test_a_long_prompt_does_not_stall_the_batch(setup):
@@ -299,9 +338,9 @@ def test_engine_generate_batch_equals_generate():
             assert res.stats.new_tokens == 14 and res.stats.finish_reason == "length"
 
 
-def test_needs_the_static_backend_and_a_pool_large_enough():
+def test_needs_a_fastpath_backend_and_a_pool_large_enough():
     target = tiny_target("llama")
-    with pytest.raises(TreeflashError, match="static backend"):
+    with pytest.raises(TreeflashError, match="static or a compiled backend"):
         BatchDecoder(target.set_backend("hf"))
     dec = BatchDecoder(target.set_backend("static"), capacity=32)
     with pytest.raises(TreeflashError, match="exceeds the pool"):

@@ -420,8 +420,8 @@ def test_max_batch_needs_the_static_backend(model_dirs):
                           "--max-batch", "4"], capture_output=True, text=True, env=child_env(), timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines() == [
-        "error: --max-batch 4 needs the static backend (Llama / Qwen family); the target runs the hf backend: "
-        "use --backend static or --max-batch 1"]
+        "error: --max-batch 4 needs the static or a compiled backend (Llama / Qwen family); the target runs the "
+        "hf backend: use --backend static, compiled or compiled-cpp, or --max-batch 1"]
 
 
 def test_prefill_chunk_must_be_positive(model_dirs):

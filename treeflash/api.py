@@ -215,12 +215,14 @@ class Engine:
     def generate_batch(self, prompts: list, config: GenerationConfig | None = None, *, chat: bool = True,
                        **overrides) -> list[Result]:
         """`generate` for several prompts decoded together, one target forward per step for all
-        (`decoding/batch.py`; the static backend)."""
+        (`decoding/batch.py`; the static and compiled backends)."""
         from .decoding.batch import BatchDecoder
 
         cfg = self.config(config, **overrides)
         dec = BatchDecoder(self.target, self.drafter)
-        seqs = [dec.add(ids, cfg, proposer=p) for ids, _, p in (self._prepare(x, cfg, chat) for x in prompts)]
+        prepared = [self._prepare(x, cfg, chat) for x in prompts]
+        dec.warm(sum(p.params.budget for _, _, p in prepared))
+        seqs = [dec.add(ids, cfg, proposer=p) for ids, _, p in prepared]
         texts = [self.assembler(cfg) for _ in seqs]
         return [Result(t.final_text(), ids, st) for t, (ids, st) in zip(texts, dec.run(seqs, texts))]
 

@@ -16,8 +16,10 @@
 5. commit: the pool keeps each accepted path (one gather/scatter per layer for the batch), the
    drafter's contexts get the accepted rows' features (one pass), tokens are emitted with the
    bs=1 stop / length rules, and finished or cancelled sequences give their slots back.
-Plain decoding of B sequences is the case of root-only trees. Needs the static backend's
-`FastPath` (Llama / Qwen family); its decoder runs eagerly (no compiled step for batches yet).
+Plain decoding of B sequences is the case of root-only trees. Needs `FastPath` (the static and
+compiled backends, Llama / Qwen family). On the compiled backends the tree forward runs the
+compiled bs=1 step graphs, its rows padded to a bucket (`FastPath.forward_rows`; `warm` compiles
+them before serving); prefill chunks and the drafter's batched passes run eagerly.
 """
 from __future__ import annotations
 
@@ -30,10 +32,8 @@ import torch
 from ..config import GenerationConfig
 from ..errors import TreeflashError
 from ..models.batchcache import BatchCache
-from ..models.cpu import UPCAST_MIN_ROWS
 from ..models.drafter import DraftCache, Drafter
-from ..models.fastpath import FastPath
-from ..models.lazy_logits import LazyLogits
+from ..models.fastpath import BUCKETS, FastPath
 from ..models.target import Target
 from .generate import Stats
 from .proposers import Proposer, make_proposer
@@ -157,7 +157,7 @@ def max_depth(seq: Seq, limit: int) -> int:
 
 # ---------------------------------------------------------------- the decoder
 class BatchDecoder:
-    """Continuous batching of decode requests over one target (static backend).
+    """Continuous batching of decode requests over one target (static and compiled backends).
 
     `add` queues a request, `step` advances every decoding sequence by one verified tree (and
     admits waiting ones and prefills the next chunk of their prompts), `cancel` ends one; requests
@@ -169,7 +169,7 @@ class BatchDecoder:
     def __init__(self, target: Target, drafter: Drafter | None = None, capacity: int | None = None,
                  page_size: int = 16, prefill_chunk: int | None = None):
         if not isinstance(target.runner, FastPath):
-            raise TreeflashError(f"batched decoding needs the static backend (Llama / Qwen family); "
+            raise TreeflashError(f"batched decoding needs the static or a compiled backend (Llama / Qwen family); "
                                  f"the target runs {target.backend}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise TreeflashError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -182,6 +182,11 @@ class BatchDecoder:
         self.running: dict[int, Seq] = {}
         self.finished: dict[int, Seq] = {}
         self._next_id = 0
+
+    def warm(self, rows: int) -> None:
+        """Compile now (compiled backends) the steps of tree forwards of up to `rows` rows in all,
+        so that no request waits for a compile."""
+        self.target.warm(range(1, min(rows, BUCKETS[-1]) + 1))
 
     # ---- requests ----
     def add(self, prompt_ids: list[int], config: GenerationConfig | None = None, *,
@@ -285,15 +290,12 @@ class BatchDecoder:
             new.append(s)
         return new
 
-    def _forward(self, ids, pos, slots, mask, upcast: bool = False):
+    def _forward(self, ids, pos, slots, mask, flat: bool = False):
         """One target forward over rows ids, pos, slots [N] with mask [N, W] into the pool ->
-        (logits indexable by row, features [N, taps*H]). As `FastPath._run_eager`."""
-        x = self.runner.decoder.embed_tokens(ids)  # [N, H]
-        dtype = x.dtype
-        if upcast and self.runner.upcast and len(ids) >= UPCAST_MIN_ROWS:  # a long prefill (see fastpath)
-            x = x.float()
-        h, feats = self.runner._decode(x, pos, slots, mask, self.cache.kv, tuple(self.target.tap_ids))
-        return LazyLogits(h.to(dtype), self.runner.model.get_output_embeddings()), feats.to(dtype)
+        (logits indexable by row, features [N, taps*H]); compiled on the compiled backends, except
+        flat prefill chunks (`FastPath.forward_rows`)."""
+        return self.runner.forward_rows(self.cache.kv, ids, pos, slots, mask, self.target.tap_ids,
+                                        self.cache.scratch, flat=flat)
 
     def _rows(self, parts: list[tuple[int, int, torch.Tensor | None]]):
         """parts [(seq, n, tree mask [n, n] or None)] -> slots [N] and mask [N, W] of a forward."""
@@ -309,7 +311,7 @@ class BatchDecoder:
         ids = torch.tensor([t for s, n in chunks for t in s.prompt[s.filled:s.filled + n]], device=dev)  # [N]
         pos = torch.cat([torch.arange(s.filled, s.filled + n, device=dev) for s, n in chunks])          # [N]
         slots, mask = self._rows([(s.id, n, None) for s, n in chunks])
-        logits, feats = self._forward(ids, pos, slots, mask, upcast=True)
+        logits, feats = self._forward(ids, pos, slots, mask, flat=True)
         self.cache.compact({s.id: torch.arange(n) for s, n in chunks})
         off = 0
         for s, n in chunks:

@@ -13,6 +13,10 @@ The target forward (`FastPath._decode`) writes the pool through `update(k, v, la
 (the `KVCache` contract) and attends over slots [:W] under a bool mask [N, W] (`step_mask`):
 a row of sequence s sees s's held slots and, among the step's new rows, its own tree ancestors.
 Admission (`add`) reserves a sequence's worst case in pages, so no step runs out of slots.
+
+For the compiled backends the pool has `spare` slots past its pages (`for_runner`): a compiled
+step pads its rows to a bucket, and the padding rows write there (`scratch`), and its attended
+width, rounded up, stays below the pool's size (`fastpath.FastPath.forward_rows`).
 """
 from __future__ import annotations
 
@@ -48,26 +52,32 @@ def slot_table(pages: list[int], page_size: int, device) -> torch.Tensor:
 class BatchCache:
     """Pool bookkeeping for a batch (see the module's docstring). `kv` is what the forward writes."""
 
-    def __init__(self, kv: StaticKV, page_size: int = 16):
-        if kv.capacity % page_size:
-            raise TreeflashError(f"pool of {kv.capacity} slots is not a whole number of {page_size}-slot pages")
+    def __init__(self, kv: StaticKV, page_size: int = 16, spare: int = 0):
+        pages = kv.capacity - spare
+        if pages <= 0 or pages % page_size:
+            raise TreeflashError(f"pool of {pages} slots is not a whole number of {page_size}-slot pages")
         self.kv, self.page_size = kv, page_size
         self.device = kv.k[0].device
-        self.free_pages = list(range(kv.capacity // page_size))  # a heap: lowest page first
+        self.free_pages = list(range(pages // page_size))  # a heap: lowest page first
+        self.scratch = torch.arange(pages, kv.capacity, device=self.device)  # [spare] long: on no page
         self.seqs: dict[int, SeqSlots] = {}
 
     @classmethod
     def for_runner(cls, runner, capacity: int, page_size: int = 16) -> "BatchCache":
-        """A pool of at least `capacity` slots for a `FastPath` runner's model."""
+        """A pool of at least `capacity` slots for a `FastPath` runner's model (with the compiled
+        backends' spare slots, and a symbolic slot dimension: their graphs serve any pool)."""
         p = next(runner.model.parameters())
         cap = -(-capacity // page_size) * page_size
-        kv = StaticKV(len(runner.decoder.layers), runner.n_kv, runner.head_dim, cap, p.dtype, p.device)
-        return cls(kv, page_size)
+        spare = runner.spare_slots
+        kv = StaticKV(len(runner.decoder.layers), runner.n_kv, runner.head_dim, cap + spare, p.dtype, p.device)
+        runner.mark_dynamic(kv)
+        return cls(kv, page_size, spare)
 
     # ---- admission ----
     @property
     def capacity(self) -> int:
-        return self.kv.capacity
+        """Slots on pages (the spare ones excluded)."""
+        return self.kv.capacity - len(self.scratch)
 
     @property
     def free_slots(self) -> int:

@@ -138,11 +138,20 @@ class FastPath:
             need += WIDTH_STEP
         cap = min(max_length + BUCKETS[-1], -(-need // CAPACITY_STEP) * CAPACITY_STEP)
         p = next(self.model.parameters())
-        cache = StaticKV(len(self.decoder.layers), self.n_kv, self.head_dim, cap, p.dtype, p.device)
-        if self.compile:  # the slot dimension is symbolic: one compiled step serves every capacity
+        return self.mark_dynamic(StaticKV(len(self.decoder.layers), self.n_kv, self.head_dim, cap, p.dtype, p.device))
+
+    def mark_dynamic(self, cache: StaticKV) -> StaticKV:
+        """Compiled: the slot dimension is symbolic, so one compiled step serves every capacity."""
+        if self.compile:
             for t in cache.k + cache.v:
                 torch._dynamo.mark_dynamic(t, 2)
         return cache
+
+    @property
+    def spare_slots(self) -> int:
+        """Slots a batch pool keeps past its pages (`forward_rows`): scratch for a bucket's padding
+        rows (fewer than the largest bucket) and room for the attended width's rounding."""
+        return max(WIDTH_STEP, BUCKETS[-1]) if self.compile else 0
 
     # ---- the forward ----
     def _decode(self, x, pos, slots, mask, cache: StaticKV, tap_ids: tuple):
@@ -235,12 +244,44 @@ class FastPath:
         n, dev = len(ids), ids.device
         mask = attention_mask(start, tree_mask, torch.empty(n, start + n, dtype=torch.bool, device=dev))
         slots = torch.arange(start, start + n, device=dev)
+        return self._eager_rows(cache, ids, positions, slots, mask, taps, flat_prefill)
+
+    def _eager_rows(self, cache, ids, pos, slots, mask, taps, flat: bool):
+        """Eager `_decode` of rows ids, pos, slots [N] under mask [N, W] -> (LazyLogits, features
+        [N, taps*H]); a long flat sequence (a prefill) computes in float32 where that pays."""
         x = self.decoder.embed_tokens(ids)  # [N, H]
         dtype = x.dtype
-        if self.upcast and flat_prefill and n >= UPCAST_MIN_ROWS:
+        if self.upcast and flat and len(ids) >= UPCAST_MIN_ROWS:
             x = x.float()
-        h, feats = self._decode(x, positions, slots, mask, cache, taps)
+        h, feats = self._decode(x, pos, slots, mask, cache, taps)
         return LazyLogits(h.to(dtype), self.model.get_output_embeddings()), feats.to(dtype)
+
+    @torch.no_grad()
+    def forward_rows(self, cache: StaticKV, ids, pos, slots, mask, tap_ids, scratch: torch.Tensor,
+                     flat: bool = False):
+        """A batched step's forward (`decoding/batch.py`): rows ids, pos, slots [N] at any slots of a
+        pool, mask [N, W] bool over its slots [:W]; `scratch` [>= largest bucket] long: slots on no
+        sequence's page. Returns (logits indexable by row, features [N, taps*H]).
+
+        Compiled where a bucket holds the N rows and the rounded width stays below the pool's size
+        (the same graphs as bs=1 steps: `warm` compiles them): rows are padded to the bucket, and a
+        padding row writes a scratch slot and attends to slot 0 only. Flat (a prefill chunk), more
+        rows than any bucket, or eager backends: eagerly."""
+        n, w, taps = len(ids), mask.shape[1], tuple(tap_ids)
+        bucket = bucket_for(n) if self.compile and not flat else None
+        width = -(-w // WIDTH_STEP) * WIDTH_STEP
+        if bucket is None or width >= cache.capacity or len(scratch) < bucket - n:
+            return self._eager_rows(cache, ids, pos, slots, mask, taps, flat)
+        pad = bucket - n
+        m = torch.zeros(bucket, width, dtype=torch.bool, device=mask.device)  # [Nb, W'], contiguous
+        m[:n, :w] = mask
+        m[n:, 0] = True
+        torch._dynamo.mark_dynamic(m, 1)  # W' is symbolic: no compile per width
+        ids = torch.cat([ids, ids.new_zeros(pad)])                 # [Nb]
+        pos = torch.cat([pos, pos[-1:].expand(pad)])               # [Nb]
+        slots = torch.cat([slots, scratch[:pad].to(slots.device)])  # [Nb]
+        logits, feats = self._compiled_step(taps)(ids, pos, slots, m, cache, taps)
+        return logits[:n], feats[:n]
 
     @torch.no_grad()  # as `forward` runs: grad mode is part of what a compiled graph checks
     def warm(self, sizes, tap_ids: list[int]) -> None:

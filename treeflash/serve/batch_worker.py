@@ -39,7 +39,7 @@ PAGE_SIZE = 16
 
 
 def check_batchable(engine, max_batch: int) -> None:
-    """--max-batch > 1 needs the static backend: a clear one-line error otherwise."""
+    """--max-batch > 1 needs the static or a compiled backend: a clear one-line error otherwise."""
     from ..models.fastpath import FastPath
 
     if max_batch <= 1:
@@ -47,8 +47,9 @@ def check_batchable(engine, max_batch: int) -> None:
     engine._bind()  # the engine's backend on its target
     target = engine.target
     if not isinstance(target.runner, FastPath):
-        raise TreeflashError(f"--max-batch {max_batch} needs the static backend (Llama / Qwen family); the target "
-                             f"runs the {target.backend} backend: use --backend static or --max-batch 1")
+        raise TreeflashError(f"--max-batch {max_batch} needs the static or a compiled backend (Llama / Qwen family); "
+                             f"the target runs the {target.backend} backend: use --backend static, compiled or "
+                             f"compiled-cpp, or --max-batch 1")
 
 
 def pool_slots(max_length: int, config: ServeConfig, budget: int, page_size: int = PAGE_SIZE) -> int:
@@ -79,6 +80,7 @@ class BatchWorker(Worker):
         self.budget = config.generation.tree_size if isinstance(config.generation.tree_size, int) else 1
         self.capacity = pool_slots(engine.target.max_length, config, self.budget)
         self.decoder = self._new_decoder()
+        self.decoder.warm(config.max_batch * self.budget)  # compiled backends: every batch's step, now
         self.active: dict[int, Active] = {}
         self.peak = 0            # most sequences decoded together so far (tests, logs)
         self._budgets: dict[int, int] = {}

@@ -22,7 +22,7 @@ def register(sub) -> None:
                    help="longest prompt in tokens (default: the context window)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     p.add_argument("--max-batch", type=int, default=1,
-                   help="requests decoded together (continuous batching; > 1 needs the static backend; the KV "
+                   help="requests decoded together (continuous batching; > 1 needs the static or a compiled backend; the KV "
                         "pool holds this many requests of --max-tokens-limit tokens; with --tree-size auto each "
                         "request's tree shrinks as the batch fills) (default: 1, one at a time)")
     p.add_argument("--prefill-chunk", type=int, default=256,
