@@ -80,7 +80,8 @@ class BatchWorker(Worker):
         self.budget = config.generation.tree_size if isinstance(config.generation.tree_size, int) else 1
         self.capacity = pool_slots(engine.target.max_length, config, self.budget)
         self.decoder = self._new_decoder()
-        self.decoder.warm(config.max_batch * self.budget)  # compiled backends: every batch's step, now
+        # compiled backends: every batch's tree forward now (plain decoding verifies roots alone)
+        self.decoder.warm(config.max_batch * (1 if config.generation.method == "vanilla" else self.budget))
         self.active: dict[int, Active] = {}
         self.peak = 0            # most sequences decoded together so far (tests, logs)
         self._budgets: dict[int, int] = {}

@@ -89,17 +89,36 @@ def _warm_up(engine, config) -> None:
     engine.generate("Hello", config.generation, chat=False, max_new_tokens=2)
 
 
-def run_serve(args) -> int:
-    try:
-        import uvicorn
+def off_main_thread(fn):
+    """fn() on a thread of its own, which then ends; returns its result or raises its error.
 
-        from .app import create_app
-    except ImportError as e:
-        raise TreeflashError(f"treeflash serve needs {e.name}: pip install 'treeflash[serve]'") from None
-    config = _config(args, args.served_model_name or args.target)
-    _check_bind(args.host, args.port)
-    if not _is_loopback(args.host) and not args.api_key:
-        print(f"treeflash: warning: serving on {args.host} without --api-key", file=sys.stderr)
+    Why: the server decodes on its worker thread. libgomp (PyTorch's OpenMP on Linux) gives each
+    thread that runs parallel kernels a team of its own, and once more OpenMP threads exist than
+    CPUs it throttles their spin-waiting, so that every kernel waits for sleeping threads. Loading,
+    calibrating and warming up on the main thread left its team behind: the worker's steps ran
+    1.7x slower on 2 cores (docs/performance.md, "One OpenMP team"). A thread that ends takes its
+    team with it."""
+    import threading
+
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # re-raised on the caller's thread
+            box["err"] = e
+
+    t = threading.Thread(target=run, name="treeflash-setup", daemon=True)  # Ctrl-C during setup exits
+    t.start()
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
+def _prepare_app(args, config, create_app):
+    """Load, check, calibrate and warm up the engine, then build the app (its worker compiles the
+    batched steps): all the torch work before serving."""
     engine = _load_engine(args)
     from ..cli_generate import generation_config
     from .batch_worker import check_batchable
@@ -111,7 +130,21 @@ def run_serve(args) -> int:
 
         config.auto_budget = engine.auto_tree_size(engine.config(GenerationConfig.from_args(args)))  # memoised
     _warm_up(engine, config)
-    app = create_app(engine, config)
+    return create_app(engine, config)
+
+
+def run_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as e:
+        raise TreeflashError(f"treeflash serve needs {e.name}: pip install 'treeflash[serve]'") from None
+    config = _config(args, args.served_model_name or args.target)
+    _check_bind(args.host, args.port)
+    if not _is_loopback(args.host) and not args.api_key:
+        print(f"treeflash: warning: serving on {args.host} without --api-key", file=sys.stderr)
+    app = off_main_thread(lambda: _prepare_app(args, config, create_app))
     batch = f", batches of up to {config.max_batch}" if config.max_batch > 1 else ""
     adaptive = " at batch 1, load-adaptive" if config.auto_budget is not None else ""
     print(f"treeflash: serving {config.model_name!r} ({args.method}, tree size {config.generation.tree_size}"
