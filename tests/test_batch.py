@@ -244,8 +244,7 @@ def test_chunked_prefill_gives_the_drafter_the_whole_context(setup):
         while dec.running.get(sid) is None or dec.running[sid].prefilling:
             dec.step()
         seq = dec.running[sid]
-        dec._draft([seq], [5])
-        states.append((seq.dcache, seq.ready))
+        states.append((seq.dcache, dec._draft([seq], {sid: 5})[sid]))
     (whole, h_whole), (chunked, h_chunked) = states
     assert whole.length == chunked.length == len(prompt)
     for i in range(len(drafter.model.layers)):
@@ -374,3 +373,78 @@ def test_one_drafter_pass_drafts_what_each_block_drafts_alone():
             torch.testing.assert_close(h, drafter.draft(c, target.embed(ids), c.length), atol=1e-5, rtol=1e-5)
             assert b.length == c.length and all(torch.equal(x, y) or torch.allclose(x, y, atol=1e-6)
                                                 for x, y in zip(b.k + b.v, c.k + c.v))
+
+
+class Boom(SamplingParams):
+    """A sampler that raises once it has been asked `after` times (a fault of one sequence)."""
+
+    calls = [0]
+    after = 3
+
+    @property
+    def greedy(self):
+        Boom.calls[0] += 1
+        if Boom.calls[0] > Boom.after:
+            raise RuntimeError("boom")
+        return True
+
+
+def test_a_faulty_sequence_ends_alone(setup):
+    """One sequence's sampler raises mid-decode: it alone ends ("error", its exception kept), the
+    others decode exactly what they decode alone, and the pool is whole again."""
+    target, drafter, greedy = setup
+    methods = ["treeflash+lookup"] * len(REQS)
+    ref = alone(target, drafter, greedy, methods)
+    dec = BatchDecoder(target, drafter, capacity=1024)
+    ids = [dec.add(r.prompt, GenerationConfig(max_new_tokens=r.n),
+                   proposer=proposer(m, target, drafter, r.prompt + g, r.budget), stop_ids=stop_ids(r, g))
+           for r, g, m in zip(REQS[:3], greedy, methods)]
+    Boom.calls[0] = 0
+    dec.waiting[1].sampling = Boom()
+    toks = {i: [] for i in ids}
+    while dec.busy:
+        for sid, new in dec.step().items():
+            toks[sid] += new
+    bad = dec.finished[ids[1]]
+    assert bad.stats.finish_reason == "error" and isinstance(bad.error, RuntimeError)
+    for i in (0, 2):
+        assert toks[ids[i]] == ref[i][0] and dec.finished[ids[i]].error is None
+    assert dec.cache.free_slots == dec.cache.capacity and dec.cache.reserved_slots == 0
+
+
+@pytest.mark.parametrize("always", [False, True])
+def test_a_failed_shared_forward_is_retried_per_sequence(setup, always):
+    """The batch's target forward raises whenever it holds sequence B's rows beside others (or
+    always, with B's rows): each sequence runs alone once more, so only B can fail, and the
+    others stay exact."""
+    target, drafter, greedy = setup
+    methods = ["treeflash+lookup"] * 3
+    ref = alone(target, drafter, greedy, methods, reqs=REQS[:3])
+    dec = BatchDecoder(target, drafter, capacity=1024)
+    ids = [dec.add(r.prompt, GenerationConfig(max_new_tokens=r.n),
+                   proposer=proposer(m, target, drafter, r.prompt + g, r.budget), stop_ids=stop_ids(r, g))
+           for r, g, m in zip(REQS[:3], greedy, methods)]
+    forward, faults = dec._forward, [0]
+
+    def flaky(ids_, pos, slots, mask, flat=False):
+        b = dec.cache.seqs.get(ids[1])
+        mine = b is not None and b.table is not None and bool(torch.isin(slots, b.table).any())
+        if mine and (always or not torch.isin(slots, b.table).all()):
+            faults[0] += 1
+            raise RuntimeError("forward fault")
+        return forward(ids_, pos, slots, mask, flat=flat)
+
+    dec._forward = flaky
+    toks = {i: [] for i in ids}
+    while dec.busy:
+        for sid, new in dec.step().items():
+            toks[sid] += new
+    assert faults[0] > 0
+    for i in (0, 2):
+        assert toks[ids[i]] == ref[i][0]
+    b = dec.finished[ids[1]]
+    if always:
+        assert b.stats.finish_reason == "error" and isinstance(b.error, RuntimeError)
+    else:
+        assert toks[ids[1]] == ref[1][0] and b.error is None
+    assert dec.cache.free_slots == dec.cache.capacity and dec.cache.reserved_slots == 0

@@ -115,3 +115,55 @@ def test_sampling_is_exact_on_the_static_backend():
                            PARAMS, N_SAMPLES)
     p = chi2_pvalue(counts, exact_joint(target, PARAMS))
     assert p > 1e-3, f"static backend: sampled joint distribution differs from the target's (p={p:.2e})"
+
+
+# ---------------------------------------------------------------- the sampler's rules (property test)
+def reference_probs(logits, temperature, top_p, top_k):
+    """The documented rules, written plainly in numpy float64 (decoding/sampling.py's docstring)."""
+    import numpy as np
+
+    x = np.asarray(logits, dtype=np.float64) / temperature
+    if top_k:
+        x = np.where(x < np.sort(x)[::-1][top_k - 1], -np.inf, x)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if top_p < 1:
+        ahead = np.array([p[x > xi].sum() for xi in x])  # mass strictly more likely than each token
+        keep = (ahead < top_p) | (x == x.max())
+        x = np.where(keep, x, -np.inf)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+    return p
+
+
+def test_probs_follow_the_rules_and_never_go_empty():
+    import numpy as np
+    from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(st.floats(-30, 30), min_size=1, max_size=12),
+           st.one_of(st.floats(1e-5, 1e6), st.sampled_from([1e-5, 1.0, 1e300])),
+           st.one_of(st.floats(1e-300, 1.0), st.sampled_from([1e-300, 5e-324, 1.0])),
+           st.integers(0, 12))
+    def check(logits, temperature, top_p, top_k):
+        top_k = min(top_k, len(logits))
+        ref = reference_probs(logits, temperature, top_p, top_k)
+        # the edge of top-p is decided by a sum: skip masses within rounding of top_p
+        x = np.asarray(logits) / temperature
+        pr = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+        assume(all(abs(pr[x > v].sum() - top_p) > 1e-9 for v in x))
+        got = probs(torch.tensor(logits, dtype=torch.float32), SamplingParams(temperature, top_p, top_k)).double().numpy()
+        assert np.isfinite(got).all() and got.sum() > 0.999
+        assert got[int(np.argmax(logits))] > 0  # the most likely token is always kept
+        x32 = torch.tensor(logits, dtype=torch.float32).double().numpy()  # the same float32 inputs
+        ref = reference_probs(x32, temperature, top_p, top_k)
+        assert ((got > 0) == (ref > 0)).all(), (got, ref)
+        assert np.abs(got - ref).max() < 1e-6
+
+    check()
+
+
+def test_a_vanishing_top_p_samples_the_most_likely_token():
+    logits = torch.tensor([0.5, 3.0, 1.0, 2.9])
+    p = probs(logits, SamplingParams(1.0, 1e-300, 0))
+    assert p.tolist() == [0.0, 1.0, 0.0, 0.0]

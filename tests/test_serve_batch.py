@@ -590,3 +590,67 @@ def test_load_bench_compare_draws_earlier_runs(tmp_path, capsys):
         assert main(["bench-load", "--compare", *bad, "--out", str(tmp_path / "cmp")]) != 0
     err = capsys.readouterr().err
     assert "--compare takes NAME=DIR" in err and "cannot read a bench-load report" in err
+
+
+def test_a_failing_request_leaves_its_batch_mates_alone(batch_server, reference, monkeypatch):
+    """B's sampler raises (a fault of B's alone) while A streams beside it: A's answer is its solo
+    answer, B gets a JSON error, the pool is whole, and /health and /metrics agree on idle."""
+    import treeflash.decoding.batch as batch_mod
+    import treeflash.decoding.verify as verify_mod
+
+    server = batch_server
+
+    def faulty(choose):
+        def wrapped(logits, p, gen):
+            if p.top_p == 0.123:
+                raise RuntimeError("sampler fault")
+            return choose(logits, p, gen)
+        return wrapped
+
+    monkeypatch.setattr(batch_mod, "choose", faulty(batch_mod.choose))
+    monkeypatch.setattr(verify_mod, "choose", faulty(verify_mod.choose))
+    got = {}
+    a = threading.Thread(target=stream_chat, args=(server, PROMPTS[0], LIMIT, got))
+    a.start()
+    wait_until(lambda: health(server)["running"] == 1, "A to run")
+    b = post(server, "/v1/chat/completions", {"messages": user(PROMPTS[1]), "max_tokens": 8,
+                                              "temperature": 1.0, "top_p": 0.123})
+    assert b.status_code == 500 and "internal error" in b.json()["error"]["message"]
+    a.join(timeout=300)
+    assert got[PROMPTS[0]][0] == alone(reference, PROMPTS[0], LIMIT).text
+    wait_until(lambda: health(server)["running"] == 0 and health(server)["waiting"] == 0, "idle")
+    assert metric(server, "vllm:num_requests_running") == 0 and metric(server, "vllm:num_requests_waiting") == 0
+    assert server.worker.decoder.cache.reserved_slots == 0
+
+
+def test_gauges_follow_queued_clients_that_give_up(batch_server):
+    """Clients queued behind a held batch leave: waiting drops to 0 on /health and /metrics alike
+    while the worker is still held (the gauges are read live, not pushed by the worker)."""
+    server = batch_server
+    server.hold.set()
+    try:
+        got = {}
+        a = threading.Thread(target=stream_chat, args=(server, PROMPTS[0], LIMIT, got))
+        a.start()
+        wait_until(server.holding.is_set, "the worker to hold A")
+        body = {"model": "tiny", "messages": user(PROMPTS[2]), "max_tokens": 4}
+
+        def gives_up():  # no answer within 4 s: the client hangs up
+            try:
+                httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=4),
+                           headers={"Authorization": f"Bearer {API_KEY}"})
+            except httpx.TimeoutException:
+                pass
+
+        b = threading.Thread(target=gives_up)
+        b.start()
+        wait_until(lambda: health(server)["waiting"] == 1, "B to queue")
+        assert metric(server, "vllm:num_requests_waiting") == 1
+        b.join(timeout=60)
+        wait_until(lambda: health(server)["waiting"] == 0, "B's give-up to show")
+        assert metric(server, "vllm:num_requests_waiting") == 0 and server.holding.is_set()
+    finally:
+        server.hold.clear()
+    a.join(timeout=300)
+    wait_until(lambda: health(server)["running"] == 0, "idle")
+    assert metric(server, "vllm:num_requests_running") == 0

@@ -16,6 +16,10 @@
 5. commit: the pool keeps each accepted path (one gather/scatter per layer for the batch), the
    drafter's contexts get the accepted rows' features (one pass), tokens are emitted with the
    bs=1 stop / length rules, and finished or cancelled sequences give their slots back.
+Faults stay with their sequence: an exception in a sequence's own work (its tree, its sampler,
+its tokens) ends that sequence alone (finish reason "error", the exception in `Seq.error`, its
+slots back in the pool); a shared pass (the drafter's, the target's forward) that raises is run
+again for each sequence alone, and only a sequence whose own pass raises again ends.
 Plain decoding of B sequences is the case of root-only trees. Needs `FastPath` (the static and
 compiled backends, Llama / Qwen family). On the compiled backends the tree forward runs the
 compiled bs=1 step graphs, its rows padded to a bucket (`FastPath.forward_rows`; `warm` compiles
@@ -63,6 +67,7 @@ class Seq:
     ready: torch.Tensor | None = None        # this step's drafter states [d+1, H] (`draft_blocks`)
     t_start: float = 0.0
     filled: int = 0                          # prompt tokens prefilled so far
+    error: BaseException | None = None       # what ended it (finish reason "error")
 
     @property
     def prefilling(self) -> bool:
@@ -148,6 +153,15 @@ def pack(trees: list[Tree], starts: list[int]) -> tuple[torch.Tensor, torch.Tens
     ids = torch.cat([t.tokens for t in trees])                             # [N]
     pos = torch.cat([s + t.depths for t, s in zip(trees, starts)])        # [N]
     return ids, pos, [len(t) for t in trees]
+
+
+def offsets(parts: list[tuple[object, int]]) -> list[int]:
+    """[(item, rows)] -> the first row of each item when their rows are concatenated."""
+    out, o = [], 0
+    for _, n in parts:
+        out.append(o)
+        o += n
+    return out
 
 
 def max_depth(seq: Seq, limit: int) -> int:
@@ -303,75 +317,128 @@ class BatchDecoder:
         width = self.cache.width([i for i, _, _ in parts])
         return slots, self.cache.step_mask(parts, slots, width)
 
+    # ---- fault isolation ----
+    def _each(self, seqs: list[Seq], fn) -> list[tuple[Seq, object]]:
+        """[(seq, fn(seq))] for the sequences whose fn returned; one that raises ends alone."""
+        done = []
+        for s in seqs:
+            try:
+                done.append((s, fn(s)))
+            except Exception as e:  # noqa: BLE001  (its request's error: `Seq.error`)
+                self._fail(s, e)
+        return done
+
+    def _shared(self, seqs: list[Seq], fn) -> dict[int, object]:
+        """fn(seqs) -> {seq id: result}: one pass for all of them; if it raises, once more for
+        each sequence alone (those that raise again end alone)."""
+        try:
+            return fn(seqs)
+        except Exception:  # noqa: BLE001  (retried per sequence below)
+            return {s.id: r for s, r in self._each(seqs, lambda s: fn([s])[s.id])}
+
+    def _fail(self, s: Seq, error: BaseException) -> None:
+        s.error = error
+        if s.id in self.running:
+            self._finish(s, "error")
+
+    # ---- prefill ----
     def _prefill(self, chunks: list[tuple[Seq, int]], out: dict) -> None:
         """One forward over the next chunk of each prompt (positions filled..filled+n-1); a prompt
         prefilled to its end emits its first token."""
         t0 = time.perf_counter()
+        sizes = dict((s.id, n) for s, n in chunks)
+        rows = self._shared([s for s, _ in chunks], lambda seqs: self._prefill_rows([(s, sizes[s.id]) for s in seqs]))
+        self.cache.compact({sid: torch.arange(sizes[sid]) for sid in rows})
+        self._each([s for s, _ in chunks if s.id in rows], lambda s: self._prefilled(s, *rows[s.id], t0, out))
+
+    def _prefill_rows(self, chunks: list[tuple[Seq, int]]) -> dict[int, tuple]:
+        """The prompt chunks' forward -> {seq id: (its logits rows, its features [n, taps*H], positions [n])}."""
         dev = self.target.device
         ids = torch.tensor([t for s, n in chunks for t in s.prompt[s.filled:s.filled + n]], device=dev)  # [N]
         pos = torch.cat([torch.arange(s.filled, s.filled + n, device=dev) for s, n in chunks])          # [N]
         slots, mask = self._rows([(s.id, n, None) for s, n in chunks])
         logits, feats = self._forward(ids, pos, slots, mask, flat=True)
-        self.cache.compact({s.id: torch.arange(n) for s, n in chunks})
-        off = 0
-        for s, n in chunks:
-            if s.dcache is not None:
-                s.drafter.extend(s.dcache, feats[off:off + n], pos[off:off + n])
-            s.filled += n
-            s.stats.prefill_s += time.perf_counter() - t0
-            if not s.prefilling:
-                root = choose(logits[off + n - 1], s.sampling, s.gen)
-                s.start, s.history = s.filled, list(s.prompt)
-                out[s.id] = self._emit(s, [root])
-            off += n
+        return {s.id: (Rows(logits, o, n), feats[o:o + n], pos[o:o + n]) for (s, n), o in zip(chunks, offsets(chunks))}
 
+    def _prefilled(self, s: Seq, logits: "Rows", feats: torch.Tensor, pos: torch.Tensor, t0: float, out: dict) -> None:
+        if s.dcache is not None:
+            s.drafter.extend(s.dcache, feats, pos)
+        s.filled += len(logits)
+        s.stats.prefill_s += time.perf_counter() - t0
+        if not s.prefilling:
+            root = choose(logits[len(logits) - 1], s.sampling, s.gen)
+            s.start, s.history = s.filled, list(s.prompt)
+            out[s.id] = self._emit(s, [root])
+
+    # ---- decode ----
     def _decode(self, seqs: list[Seq], out: dict) -> None:
-        depths = [max_depth(s, self.limit) for s in seqs]
         t0 = time.perf_counter()
-        self._draft(seqs, depths)
+        depths = {s.id: max_depth(s, self.limit) for s in seqs}
+        ready = self._shared(seqs, lambda group: self._draft(group, depths))
         t_draft = time.perf_counter() - t0
-        trees = [s.proposer.propose(s.dcache, s.history[-1], s.start, d, s.history) for s, d in zip(seqs, depths)]
+        trees = dict((s.id, t) for s, t in self._each([s for s in seqs if s.id in ready],
+                                                       lambda s: self._propose(s, ready[s.id], depths[s.id])))
         t1 = time.perf_counter()
-        ids, pos, sizes = pack(trees, [s.start for s in seqs])
-        dev = self.target.device
-        slots, mask = self._rows([(s.id, len(t), t.ancestor_mask()) for s, t in zip(seqs, trees)])
-        logits, feats = self._forward(ids.to(dev), pos.to(dev), slots, mask)
-        offs = [sum(sizes[:j]) for j in range(len(sizes))]
-        accs = [accept(t, Rows(logits, o, n), s.sampling, s.gen) for s, t, o, n in zip(seqs, trees, offs, sizes)]
-        keeps = {s.id: torch.tensor(a.path, device=dev) for s, a in zip(seqs, accs)}
+        seqs = [s for s in seqs if s.id in trees]
+        rows = self._shared(seqs, lambda group: self._verify_rows([(s, trees[s.id]) for s in group]))
+        accs = dict((s.id, a) for s, a in self._each([s for s in seqs if s.id in rows],
+                                                      lambda s: accept(trees[s.id], rows[s.id][0], s.sampling, s.gen)))
+        keeps = {i: torch.tensor(a.path, device=self.target.device) for i, a in accs.items()}
         self.cache.compact(keeps)
-        self._commit_contexts(seqs, feats, offs, keeps)
+        seqs = [s for s in seqs if s.id in accs]
+        feats = {i: rows[i][1][keep] for i, keep in keeps.items()}  # the accepted rows' features
+        grown = self._shared(seqs, lambda group: self._commit_contexts(group, feats))
         t_verify = time.perf_counter() - t1
-        for s, t, a in zip(seqs, trees, accs):
-            s.stats.draft_s += t_draft
-            s.stats.verify_s += t_verify
-            s.stats.record(len(a.accepted), len(t), a.path)
-            s.start += len(a.path)
-            out[s.id] = self._emit(s, a.accepted + [a.bonus])
+        self._each([s for s in seqs if s.id in grown],
+                   lambda s: self._advance(s, len(trees[s.id]), accs[s.id], t_draft, t_verify, out))
 
-    def _draft(self, seqs: list[Seq], depths: list[int]) -> None:
-        """Every drafting sequence's block states, one drafter pass per drafter (normally one)."""
+    def _advance(self, s: Seq, size: int, a, t_draft: float, t_verify: float, out: dict) -> None:
+        """A sequence's step is verified and committed: its stats, its position, its tokens."""
+        s.stats.draft_s += t_draft
+        s.stats.verify_s += t_verify
+        s.stats.record(len(a.accepted), size, a.path)
+        s.start += len(a.path)
+        out[s.id] = self._emit(s, a.accepted + [a.bonus])
+
+    def _propose(self, s: Seq, ready: torch.Tensor | None, depth: int) -> Tree:
+        s.ready = ready
+        return s.proposer.propose(s.dcache, s.history[-1], s.start, depth, s.history)
+
+    def _verify_rows(self, parts: list[tuple[Seq, Tree]]) -> dict[int, tuple]:
+        """ONE target forward over the trees -> {seq id: (its logits rows, its features [n, taps*H])}."""
+        dev = self.target.device
+        ids, pos, _ = pack([t for _, t in parts], [s.start for s, _ in parts])
+        slots, mask = self._rows([(s.id, len(t), t.ancestor_mask()) for s, t in parts])
+        logits, feats = self._forward(ids.to(dev), pos.to(dev), slots, mask)
+        sizes = [(s, len(t)) for s, t in parts]
+        return {s.id: (Rows(logits, o, n), feats[o:o + n]) for (s, n), o in zip(sizes, offsets(sizes))}
+
+    def _draft(self, seqs: list[Seq], depths: dict[int, int]) -> dict[int, torch.Tensor | None]:
+        """{seq id: its block's drafter states [d+1, H], or None (not drafting)}: one drafter pass
+        per drafter (normally one)."""
+        ready: dict[int, torch.Tensor | None] = {s.id: None for s in seqs}
         groups: dict[int, list[tuple[Seq, int]]] = {}
-        for s, md in zip(seqs, depths):
-            d = s.proposer.block_depth(md) if s.dcache is not None else 0
+        for s in seqs:
+            d = s.proposer.block_depth(depths[s.id]) if s.dcache is not None else 0
             if d >= 1:
                 groups.setdefault(id(s.drafter), []).append((s, d))
         for group in groups.values():
             drafter, embed = group[0][0].drafter, group[0][0].proposer.embed
             states = draft_blocks(drafter, embed, [(s.dcache, s.history[-1], s.start, d) for s, d in group])
-            for (s, _), h in zip(group, states):
-                s.ready = h
+            ready.update({s.id: h for (s, _), h in zip(group, states)})
+        return ready
 
-    def _commit_contexts(self, seqs, feats, offs, keeps) -> None:
+    def _commit_contexts(self, seqs: list[Seq], feats: dict[int, torch.Tensor]) -> dict[int, bool]:
         """The drafter contexts grow by the accepted rows' features, one pass per drafter."""
         groups: dict[int, list] = {}
-        for s, o in zip(seqs, offs):
+        for s in seqs:
             if s.dcache is not None:
-                keep = keeps[s.id]
-                item = (s.dcache, feats[o + keep], s.start + torch.arange(len(keep), device=keep.device))
+                f = feats[s.id]  # [K, taps*H]
+                item = (s.dcache, f, s.start + torch.arange(len(f), device=f.device))
                 groups.setdefault(id(s.drafter), [s.drafter]).append(item)
         for drafter, *items in groups.values():
             extend_contexts(drafter, items)
+        return {s.id: True for s in seqs}
 
     def _emit(self, s: Seq, toks: list[int]) -> list[int]:
         """Emit tokens with the bs=1 rules: a stop token ends the sequence (emitted); after them,
@@ -414,6 +481,9 @@ class BatchDecoder:
                         if readers[i].stopped:
                             self.cancel(i, "stop")
                             break
+        for i in seq_ids:  # the others ran to their end; a library caller sees the fault
+            if self.finished[i].error is not None:
+                raise self.finished[i].error
         return [(ids[i], self.finished[i].stats) for i in seq_ids]
 
 

@@ -135,8 +135,8 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
     async def health():
         if not worker.thread.is_alive():
             return JSONResponse({"status": "worker stopped"}, status_code=503)
-        return {"status": "ok", "model": config.model_name, "running": worker.running,
-                "waiting": worker.waiting}
+        running, waiting = worker.load()
+        return {"status": "ok", "model": config.model_name, "running": running, "waiting": waiting}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics():

@@ -93,9 +93,9 @@ class BatchWorker(Worker):
                             prefill_chunk=self.config.prefill_chunk)
 
     @property
-    def waiting(self) -> int:
-        """Requests queued, not yet in the batch."""
-        return self.queue.qsize()
+    def running(self) -> int:
+        """Requests in the batch (prompts being prefilled included) whose clients have not left."""
+        return sum(not a.job.cancelled.is_set() for a in list(self.active.values()))
 
     def stop(self) -> None:
         self._stopping.set()
@@ -103,33 +103,27 @@ class BatchWorker(Worker):
             a.job.cancel()
         super().stop()
 
-    def _update_load(self) -> None:
-        self.running = len(self.active)  # in the batch, prompts still being prefilled included
-        self.metrics.set_load(self.running, self.waiting)
-
     # ---- the loop ----
     def _loop(self) -> None:
         while not self._stopping.is_set():
             self._drop_cancelled()
-            self._update_load()
             if not self._take(block=not self.active):
                 return
             if not self.decoder.busy:
                 continue
             plan = self._set_budgets()
-            self._update_load()
             self.peak = max(self.peak, len(self.active))
             try:
                 t0 = time.perf_counter()
                 out = self.decoder.step()
                 if plan is not None:
                     self.tuner.record(*plan, sum(map(len, out.values())), time.perf_counter() - t0)
-                for sid, toks in out.items():
-                    self._deliver(sid, toks)
-            except Exception as e:  # a bug: report it, answer 500 to the batch, keep serving
+            except Exception as e:  # a bug outside any one sequence: report it, answer 500 to the batch
                 traceback.print_exc(file=sys.stderr)
                 self._fail_all(ApiError(500, f"internal error: {type(e).__name__}"))
-            self._update_load()
+                continue
+            for sid in list(self.active):
+                self._deliver(sid, out.get(sid, ()))
 
     def _take(self, block: bool) -> bool:
         """Move queued jobs into the decoder while fewer than max_batch are in it; waits for one
@@ -192,10 +186,21 @@ class BatchWorker(Worker):
         only_decodes = not self.decoder.waiting and decoding == len(self.decoder.running)
         return (n, budget) if only_decodes else None
 
-    def _deliver(self, sid: int, toks: list[int]) -> None:
-        a = self.active.get(sid)
-        if a is None:
-            return
+    def _deliver(self, sid: int, toks) -> None:
+        """A sequence's new tokens become its text events; it ends when the decoder ended it. A
+        fault here (its text pieces, its stop strings) ends this request alone."""
+        try:
+            self._emit_text(sid, toks)
+        except Exception as e:  # noqa: BLE001  (this request's fault: the others go on)
+            self.decoder.cancel(sid, "error")
+            seq = self.decoder.finished.get(sid)
+            if seq is not None and seq.error is None:
+                seq.error = e
+        if sid in self.decoder.finished:
+            self._finish(sid, aborted=self.active[sid].job.cancelled.is_set())
+
+    def _emit_text(self, sid: int, toks) -> None:
+        a = self.active[sid]
         for t in toks:
             if a.job.cancelled.is_set():
                 break
@@ -208,13 +213,16 @@ class BatchWorker(Worker):
             if a.text.stopped:
                 self.decoder.cancel(sid, "stop")
                 break
-        if sid in self.decoder.finished:
-            self._finish(sid, aborted=a.job.cancelled.is_set())
 
     def _finish(self, sid: int, aborted: bool) -> None:
         a = self.active.pop(sid)
         seq = self.decoder.finished.pop(sid, None)
         stats = seq.stats if seq is not None else Stats()
+        if seq is not None and seq.error is not None:  # its own fault: its request alone fails
+            traceback.print_exception(seq.error, file=sys.stderr)
+            self.metrics.record_generation(stats, a.n, "error", time.perf_counter() - a.job.arrived)
+            a.job.emit("error", ApiError(500, f"internal error: {type(seq.error).__name__}"))
+            return
         if not aborted:
             tail = a.text.flush()
             if tail:

@@ -65,8 +65,8 @@ class Metrics:
         self.generation_tokens = 0
         self.success = defaultdict(int)  # finished_reason -> count
         self.errors = defaultdict(int)   # http status -> count
-        self.running = 0
-        self.waiting = 0
+        # (running, waiting) now: the worker's own count, read at each render (`Worker.load`)
+        self.load = lambda: (0, 0)
         self.tree_budget = None  # --max-batch with --tree-size auto: this step's per-request budget
         self.e2e = Histogram()
         self.ttft = Histogram()
@@ -99,10 +99,6 @@ class Metrics:
         with self.lock:
             self.errors[int(status)] += 1
 
-    def set_load(self, running: int, waiting: int) -> None:
-        with self.lock:
-            self.running, self.waiting = running, waiting
-
     def set_tree_budget(self, budget: int) -> None:
         with self.lock:
             self.tree_budget = budget
@@ -115,11 +111,12 @@ class Metrics:
         def metric(name: str, kind: str, help_: str, samples: list[str]) -> None:
             lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples])
 
+        running, waiting = self.load()
         with self.lock:
             metric("vllm:num_requests_running", "gauge", "Requests being generated now.",
-                   [f"vllm:num_requests_running{_labels(**m)} {self.running}"])
+                   [f"vllm:num_requests_running{_labels(**m)} {running}"])
             metric("vllm:num_requests_waiting", "gauge", "Requests queued for the worker.",
-                   [f"vllm:num_requests_waiting{_labels(**m)} {self.waiting}"])
+                   [f"vllm:num_requests_waiting{_labels(**m)} {waiting}"])
             if self.tree_budget is not None:
                 metric("treeflash:tree_budget", "gauge", "Tree budget per request this step (load-adaptive).",
                        [f"treeflash:tree_budget{_labels(**m)} {self.tree_budget}"])

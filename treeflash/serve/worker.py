@@ -76,9 +76,19 @@ class Worker:
     def __init__(self, engine, config: ServeConfig, metrics: Metrics):
         self.engine, self.config, self.metrics = engine, config, metrics
         self.queue: queue.Queue[Job | None] = queue.Queue()
-        self.running = 0
         self.current: Job | None = None  # the job being generated
         self.thread = threading.Thread(target=self._loop, name="treeflash-worker", daemon=True)
+        metrics.load = self.load  # /metrics and /health read the same live count
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) now: requests whose clients are still there, generating / queued."""
+        return self.running, self.waiting
+
+    @property
+    def running(self) -> int:
+        """Requests being generated whose clients have not left."""
+        job = self.current
+        return int(job is not None and not job.cancelled.is_set())
 
     def start(self) -> None:
         self.thread.start()
@@ -99,18 +109,16 @@ class Worker:
 
     @property
     def waiting(self) -> int:
-        """Requests queued, not yet generating."""
-        return self.queue.qsize()
+        """Requests queued, not yet generating, whose clients have not left."""
+        with self.queue.mutex:
+            jobs = list(self.queue.queue)
+        return sum(j is not None and not j.cancelled.is_set() for j in jobs)
 
     def submit(self, job: Job) -> None:
         if self.waiting >= self.config.max_queue:
             raise ApiError(429, f"server busy: {self.waiting} requests waiting; retry later",
                            code="server_busy", type_="rate_limit_error")
         self.queue.put(job)
-        self._update_load()
-
-    def _update_load(self) -> None:
-        self.metrics.set_load(self.running, self.waiting)
 
     def _loop(self) -> None:
         while True:
@@ -119,18 +127,15 @@ class Worker:
                 return
             if job.cancelled.is_set():  # its client left while it waited
                 self.metrics.record_generation(Stats(), 0, "abort", time.perf_counter() - job.arrived)
-                self._update_load()
                 continue
-            self.running, self.current = 1, job
-            self._update_load()
+            self.current = job
             try:
                 self._run(job)
             except Exception as e:  # a bug: report it, answer 500, keep serving
                 traceback.print_exc(file=sys.stderr)
                 job.emit("error", ApiError(500, f"internal error: {type(e).__name__}"))
             finally:
-                self.running, self.current = 0, None
-                self._update_load()
+                self.current = None
 
     def _run(self, job: Job) -> None:
         self.metrics.observe_queue_time(time.perf_counter() - job.arrived)
