@@ -567,7 +567,7 @@ def test_load_bench_reads_the_tree_budget_gauge():
     metrics = Metrics("tiny model")
     assert gauge(metrics.render(), "treeflash:tree_budget") is None
     metrics.set_tree_budget(3)
-    metrics.set_load(4, 1)
+    metrics.load = lambda: (4, 1)
     text = metrics.render()
     assert gauge(text, "treeflash:tree_budget") == 3.0 and gauge(text, "vllm:num_requests_running") == 4.0
     assert gauge("treeflash:tree_budget_x 9\n", "treeflash:tree_budget") is None
