@@ -654,3 +654,27 @@ def test_gauges_follow_queued_clients_that_give_up(batch_server):
     a.join(timeout=300)
     wait_until(lambda: health(server)["running"] == 0, "idle")
     assert metric(server, "vllm:num_requests_running") == 0
+
+
+def test_a_fault_in_one_requests_text_ends_it_alone(batch_server, reference, monkeypatch):
+    """B's text assembler raises on its first token (a fault in its stop-string handling): B gets
+    a JSON 500, A beside it keeps its solo answer, and the pool is whole again."""
+    server = batch_server
+    engine = server.worker.engine
+    make = engine.assembler
+
+    class Faulty:
+        def add(self, _tok):
+            raise RuntimeError("text fault")
+
+    monkeypatch.setattr(engine, "assembler", lambda cfg: Faulty() if cfg.stop == ("BOOM",) else make(cfg))
+    got = {}
+    a = threading.Thread(target=stream_chat, args=(server, PROMPTS[3], LIMIT, got))
+    a.start()
+    wait_until(lambda: health(server)["running"] == 1, "A to run")
+    b = post(server, "/v1/chat/completions", {"messages": user(PROMPTS[1]), "max_tokens": 8, "stop": ["BOOM"]})
+    assert b.status_code == 500 and "internal error" in b.json()["error"]["message"]
+    a.join(timeout=300)
+    assert got[PROMPTS[3]][0] == alone(reference, PROMPTS[3], LIMIT).text
+    wait_until(lambda: health(server)["running"] == 0, "idle")
+    assert server.worker.decoder.cache.reserved_slots == 0

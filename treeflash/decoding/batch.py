@@ -336,17 +336,26 @@ class BatchDecoder:
         except Exception:  # noqa: BLE001  (retried per sequence below)
             return {s.id: r for s, r in self._each(seqs, lambda s: fn([s])[s.id])}
 
+    def fail(self, seq_id: int, error: BaseException) -> None:
+        """End a running request for a fault of its own (finish reason "error", `Seq.error`); a
+        request that has just finished keeps its tokens but is marked failed too."""
+        s = self.running.get(seq_id) or self.finished.get(seq_id)
+        if s is not None:
+            self._fail(s, error)
+
     def _fail(self, s: Seq, error: BaseException) -> None:
-        s.error = error
+        s.error = s.error or error
         if s.id in self.running:
             self._finish(s, "error")
+        else:
+            s.stats.finish_reason = "error"
 
     # ---- prefill ----
     def _prefill(self, chunks: list[tuple[Seq, int]], out: dict) -> None:
         """One forward over the next chunk of each prompt (positions filled..filled+n-1); a prompt
         prefilled to its end emits its first token."""
         t0 = time.perf_counter()
-        sizes = dict((s.id, n) for s, n in chunks)
+        sizes = {s.id: n for s, n in chunks}
         rows = self._shared([s for s, _ in chunks], lambda seqs: self._prefill_rows([(s, sizes[s.id]) for s in seqs]))
         self.cache.compact({sid: torch.arange(sizes[sid]) for sid in rows})
         self._each([s for s, _ in chunks if s.id in rows], lambda s: self._prefilled(s, *rows[s.id], t0, out))
@@ -376,13 +385,13 @@ class BatchDecoder:
         depths = {s.id: max_depth(s, self.limit) for s in seqs}
         ready = self._shared(seqs, lambda group: self._draft(group, depths))
         t_draft = time.perf_counter() - t0
-        trees = dict((s.id, t) for s, t in self._each([s for s in seqs if s.id in ready],
-                                                       lambda s: self._propose(s, ready[s.id], depths[s.id])))
+        trees = {s.id: t for s, t in self._each([s for s in seqs if s.id in ready],
+                                                 lambda s: self._propose(s, ready[s.id], depths[s.id]))}
         t1 = time.perf_counter()
         seqs = [s for s in seqs if s.id in trees]
         rows = self._shared(seqs, lambda group: self._verify_rows([(s, trees[s.id]) for s in group]))
-        accs = dict((s.id, a) for s, a in self._each([s for s in seqs if s.id in rows],
-                                                      lambda s: accept(trees[s.id], rows[s.id][0], s.sampling, s.gen)))
+        accs = {s.id: a for s, a in self._each([s for s in seqs if s.id in rows],
+                                                lambda s: accept(trees[s.id], rows[s.id][0], s.sampling, s.gen))}
         keeps = {i: torch.tensor(a.path, device=self.target.device) for i, a in accs.items()}
         self.cache.compact(keeps)
         seqs = [s for s in seqs if s.id in accs]

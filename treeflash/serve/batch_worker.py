@@ -192,10 +192,7 @@ class BatchWorker(Worker):
         try:
             self._emit_text(sid, toks)
         except Exception as e:  # noqa: BLE001  (this request's fault: the others go on)
-            self.decoder.cancel(sid, "error")
-            seq = self.decoder.finished.get(sid)
-            if seq is not None and seq.error is None:
-                seq.error = e
+            self.decoder.fail(sid, e)
         if sid in self.decoder.finished:
             self._finish(sid, aborted=self.active[sid].job.cancelled.is_set())
 
