@@ -585,16 +585,18 @@ def test_text_assembler_holds_back_partial_stop_strings(engine):
 
 
 # ---------------------------------------------------------------- fuzzing
-def test_schemathesis_fuzz_finds_no_server_errors(server):
+def fuzz_openapi(url: str, seconds: float) -> list[int]:
+    """Schemathesis over the server's own OpenAPI schema (valid and invalid requests on every route,
+    for at most `seconds`): asserts no 5xx; returns the statuses seen."""
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis.generation import GenerationMode
 
-    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
     operations = [r.ok() for r in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models"}
     seen, failures = [], []
-    deadline = time.time() + 90  # bounded: the whole fuzz run stops after this
+    deadline = time.time() + seconds
 
     for op in operations:
         for mode in GenerationMode:
@@ -607,7 +609,7 @@ def test_schemathesis_fuzz_finds_no_server_errors(server):
             def fuzz(case):
                 if time.time() > deadline:
                     return
-                r = case.call(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+                r = case.call(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
                 seen.append(r.status_code)
                 if r.status_code >= 500:
                     failures.append((op.path, case.body, r.status_code, r.text[:300]))
@@ -615,7 +617,32 @@ def test_schemathesis_fuzz_finds_no_server_errors(server):
             fuzz()
     assert not failures, failures
     assert len(seen) >= 10 and any(s == 200 for s in seen) and any(400 <= s < 500 for s in seen)
+    return seen
+
+
+def test_schemathesis_fuzz_finds_no_server_errors(server):
+    fuzz_openapi(server.url, seconds=90)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_fault_mid_generation_is_a_500_and_the_server_keeps_serving(held_server, monkeypatch):
+    """A fault while decoding (here: the sampler finds no finite logits) is the server's, not the
+    request's: a JSON 500, and the next request is served."""
+    import treeflash.decoding.sampling as sampling
+    from treeflash.errors import TreeflashError
+
+    real = sampling.probs
+
+    def not_finite(logits, p):
+        if p.top_p == 0.123:
+            raise TreeflashError("the target's logits are not finite: nothing to sample from")
+        return real(logits, p)
+
+    monkeypatch.setattr(sampling, "probs", not_finite)
+    r = post(held_server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": 1.0, "top_p": 0.123})
+    assert r.status_code == 500 and "internal error" in r.json()["error"]["message"], r.text
+    r = post(held_server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": 1.0, "top_p": 0.9})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
 
 
 # ---------------------------------------------------------------- start-up errors

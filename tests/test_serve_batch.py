@@ -131,7 +131,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from test_serve import API_KEY, build_tiny_model, child_env, free_port, in_process, metric, post, user, wait_until  # noqa: E402,E501
+from test_serve import (API_KEY, build_tiny_model, child_env, free_port, fuzz_openapi, in_process, metric,  # noqa: E402
+                        post, user, wait_until)
 
 MAX_BATCH = 4
 MAX_QUEUE = 2
@@ -677,4 +678,29 @@ def test_a_fault_in_one_requests_text_ends_it_alone(batch_server, reference, mon
     a.join(timeout=300)
     assert got[PROMPTS[3]][0] == alone(reference, PROMPTS[3], LIMIT).text
     wait_until(lambda: health(server)["running"] == 0, "idle")
+    assert server.worker.decoder.cache.reserved_slots == 0
+
+
+def test_fuzzing_beside_streams_leaves_them_unharmed(batch_server, reference):
+    """Schemathesis fuzzes every route while greedy streams run, one after another, for the whole
+    fuzz run: no 5xx, and every stream's text is its solo answer."""
+    server, done, streams = batch_server, threading.Event(), []
+    solo = alone(reference, PROMPTS[3], LIMIT).text
+
+    def keep_streaming():
+        while not done.is_set():
+            got = {}
+            stream_chat(server, PROMPTS[3], LIMIT, got)
+            streams.append(got[PROMPTS[3]])
+
+    t = threading.Thread(target=keep_streaming)
+    t.start()
+    try:
+        wait_until(lambda: health(server)["running"] >= 1 or streams, "a stream to run")
+        fuzz_openapi(server.url, seconds=60)
+    finally:
+        done.set()
+        t.join(timeout=300)
+    assert streams and all(s == (solo, s[1]) and s[1] in ("stop", "length") for s in streams), streams[:3]
+    wait_until(lambda: health(server)["running"] == 0 and health(server)["waiting"] == 0, "idle")
     assert server.worker.decoder.cache.reserved_slots == 0

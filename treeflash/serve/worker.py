@@ -148,11 +148,12 @@ class Worker:
         except TemplateError as e:  # the chat template refused these messages
             return job.emit("error", ApiError(400, f"the chat template rejects these messages: {e}",
                                               param=job.param))
-        stats = Stats()
-        try:
-            finish, n_tokens = self._generate(job, ids, stats)
-        except TreeflashError as e:  # bad sampling values etc.: nothing was sent yet
+        try:  # bad sampling or tree values: a 400 before anything runs
+            self.engine.config(job.config).sampling(self.engine.target.vocab_rows)
+        except TreeflashError as e:
             return job.emit("error", ApiError(400, str(e)))
+        stats = Stats()  # from here on, a fault is the server's: `_loop` answers 500
+        finish, n_tokens = self._generate(job, ids, stats)
         stats.prompt_tokens = len(ids)
         self.metrics.record_generation(stats, n_tokens, finish, time.perf_counter() - job.arrived)
         job.emit("done", Done(finish, len(ids), n_tokens, stats.mean_acceptance_length))
