@@ -55,9 +55,9 @@ def add_backend_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=options.BACKENDS,
                    help="target forward: static = lean path over a preallocated KV cache (Llama-family; "
                         "auto picks it where supported), compiled = the same under torch.compile "
-                        "(first use compiles for ~30 s per tree size), compiled-cpp = compiled with every "
+                        "(each process compiles for ~30 s per tree size), compiled-cpp = compiled with every "
                         "matmul in inductor's C++ GEMM template (x86 CPUs; faster verify on CPUs without "
-                        "AVX-512; first use compiles for minutes), hf = the model's own forward")
+                        "AVX-512; each process compiles for minutes), hf = the model's own forward")
 
 
 def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
