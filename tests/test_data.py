@@ -255,6 +255,21 @@ def test_jsonl_and_gzipped_shards_read_alike(tmp_path):
     assert data.scan_shards(tmp_path / "dst", stop_ids={5}).next_shard == 1
 
 
+def test_a_shard_beside_its_gzipped_copy_counts_once(tmp_path):
+    """Resuming a regeneration from packed shards leaves a shard and its .gz side by side: scanning
+    (resume counts, meta.json) and reading (training) must take it once."""
+    from treeflash.cli import main
+
+    rows = [{"id": "a", "input_ids": [1, 2, 3], "prompt_len": 1}]
+    data.write_jsonl(tmp_path / "shard-00000.jsonl", rows)
+    data.write_jsonl(tmp_path / "shard-00001.jsonl", [{"id": "b", "input_ids": [4, 5], "prompt_len": 1}])
+    assert main(["data", "pack", str(tmp_path), str(tmp_path)]) == 0  # .gz beside each plain shard
+    assert len(list(tmp_path.glob("shard-*"))) == 4
+    assert [p.name.split(".")[0] for p in data.shard_files(tmp_path)] == ["shard-00000", "shard-00001"]
+    prog = data.scan_shards(tmp_path, stop_ids=set())
+    assert (prog.response_tokens, prog.total_tokens, prog.next_shard) == (3, 5, 2)
+
+
 def test_select_keeps_topic_prompts_in_order_minus_done_ids(tmp_path, capsys):
     """`data select`: code and maths prompts (by the last user turn), in file order, without the
     ids a regen directory already holds and without repeats across files; bad topics are one line."""

@@ -33,8 +33,12 @@ SHARD_GLOBS = ("shard-*.jsonl", "shard-*.jsonl.gz")  # gzip: the shards checked 
 
 
 def shard_files(data_dir: Path) -> list[Path]:
-    """The finished shards of a data directory (plain or gzipped), in name order."""
-    return sorted(p for g in SHARD_GLOBS for p in Path(data_dir).glob(g))
+    """The finished shards of a data directory (plain or gzipped), in order, one file per shard
+    number: a shard beside its gzipped copy (`data pack`'s output copied back to resume) is one shard."""
+    files: dict[int, Path] = {}
+    for p in sorted(p for g in SHARD_GLOBS for p in Path(data_dir).glob(g)):
+        files.setdefault(shard_number(p), p)
+    return [files[n] for n in sorted(files)]
 
 
 def shard_number(path: Path) -> int:
