@@ -13,10 +13,11 @@ import torch
 
 from treeflash.api import random_drafter
 from treeflash.bench.selftest import tiny_target  # shared with the selftest; tests import it from here
-from treeflash.decoding.generate import Stats, decode
+from treeflash.decoding.generate import decode
 from treeflash.decoding.lookup import LookupParams
 from treeflash.decoding.proposers import Chain, Marginal, TreeFlash, TreeParams, Vanilla
 from treeflash.decoding.sampling import SamplingParams
+from treeflash.decoding.stats import Stats
 from treeflash.models.target import Target
 
 

@@ -8,10 +8,11 @@ import torch
 
 from treeflash.config import GenerationConfig
 from treeflash.decoding.batch import BatchDecoder
-from treeflash.decoding.generate import Stats, decode
+from treeflash.decoding.generate import decode
 from treeflash.decoding.lookup import LookupParams
 from treeflash.decoding.proposers import TreeParams, make_proposer
 from treeflash.decoding.sampling import SamplingParams
+from treeflash.decoding.stats import Stats
 from treeflash.errors import TreeflashError
 from treeflash.models.batchcache import BatchCache
 from treeflash.models.kvcache import StaticKV

@@ -189,7 +189,7 @@ def test_every_engine_arm_gets_the_time_split():
     prefill/draft/tree/verify split; the peers, which do not time these phases, report none."""
     from treeflash.bench.report import SPLIT, split_cell, summarize
     from treeflash.bench.runner import Record
-    from treeflash.decoding.generate import Stats
+    from treeflash.decoding.stats import Stats
     from treeflash.options import METHODS
 
     def record(method):

@@ -3,7 +3,7 @@ import pytest
 
 from treeflash.api import Engine
 from treeflash.decoding import costmodel
-from treeflash.decoding.generate import Stats
+from treeflash.decoding.stats import Stats
 
 from conftest import oracle, run, tiny_drafter, tiny_target, vanilla
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from treeflash.decoding import lookup as L
-from treeflash.decoding.generate import Stats
+from treeflash.decoding.stats import Stats
 from treeflash.decoding.proposers import METHODS, TreeParams, make_proposer
 from treeflash.decoding.trees import best_first, combine, marginal_transitions
 

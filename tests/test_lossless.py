@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch
 
-from treeflash.decoding.generate import Stats
+from treeflash.decoding.stats import Stats
 from treeflash.decoding.proposers import TreeParams, make_proposer
 
 from conftest import oracle, run, tiny_drafter, tiny_target, vanilla

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from treeflash.decoding.generate import Stats
+from treeflash.decoding.stats import Stats
 from treeflash.errors import TreeflashError
 from treeflash.models.quant import Int4Linear, Int8Linear
 

@@ -547,7 +547,7 @@ def test_metrics_are_prometheus_text_and_count_requests(server, client):
 
 
 def test_metrics_unit_per_position_counts():
-    from treeflash.decoding.generate import Stats
+    from treeflash.decoding.stats import Stats
     from treeflash.serve.metrics import Metrics
 
     m, s = Metrics("m"), Stats()

@@ -8,7 +8,8 @@ from typing import Iterator
 
 import torch
 
-from .decoding.generate import Stats, decode
+from .decoding.generate import decode
+from .decoding.stats import Stats
 from .config import GenerationConfig, is_compiled, uses_cpp_gemm
 from .decoding.proposers import make_proposer
 from .decoding.text import TextAssembler, pieces

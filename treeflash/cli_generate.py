@@ -70,7 +70,7 @@ def torch_threads() -> int:
 
 def run(args) -> int:
     from .cli import load_engine, print_json
-    from .decoding.generate import Stats
+    from .decoding.stats import Stats
 
     check_prompt(args.prompt)
     engine = load_engine(args, quiet=args.method in ("vanilla", "lookup"))

@@ -15,7 +15,7 @@ from ..options import METHODS as ENGINE_METHODS
 
 if TYPE_CHECKING:
     from ..config import GenerationConfig
-    from ..decoding.generate import Stats
+    from ..decoding.stats import Stats
 
 TREE_METHODS = tuple(m for m in ENGINE_METHODS if m != "vanilla")  # use --tree-size
 HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted")

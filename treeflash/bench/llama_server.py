@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ..decoding.generate import Stats
+from ..decoding.stats import Stats
 from ..errors import TreeflashError
 from ..models import llamacpp, registry
 from .arms import Generation, Method

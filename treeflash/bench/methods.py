@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import GenerationConfig
-from ..decoding.generate import Stats
+from ..decoding.stats import Stats
 from ..errors import TreeflashError
 from ..models import registry
 from .arms import HF_METHODS, LLAMA_SERVER_METHODS, TREE_METHODS, Generation, Method

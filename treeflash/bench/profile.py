@@ -72,7 +72,8 @@ def profile(engine, prompts: list[str], methods: list[str], config) -> dict:
 
     A method "NAME:full" runs NAME without the drafter's draft vocabulary (whole-vocabulary head).
     config: the GenerationConfig of every run (greedy; its method and draft vocabulary are set here)."""
-    from ..decoding.generate import Stats, decode
+    from ..decoding.generate import decode
+    from ..decoding.stats import Stats
 
     out = {m: {"steps": 0, "tokens": 0, "time_s": 0.0, "parts": defaultdict(float)} for m in methods}
     for prompt in prompts:

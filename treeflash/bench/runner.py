@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..config import GenerationConfig, is_compiled
-from ..decoding.generate import Stats
+from ..decoding.stats import Stats
 from ..decoding.lookup import copy_steps
 from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir

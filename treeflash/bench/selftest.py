@@ -80,9 +80,10 @@ def tiny_target(arch: str = "llama", vocab: int = 128, layers: int = 4, seed: in
 def greedy(target, method: str, drafter, prompt: list[int], n: int, budget: int):
     import torch
 
-    from ..decoding.generate import Stats, decode
+    from ..decoding.generate import decode
     from ..decoding.proposers import TreeParams, make_proposer
     from ..decoding.sampling import SamplingParams
+    from ..decoding.stats import Stats
 
     stats = Stats()
     p = make_proposer(method, drafter if method not in ("vanilla", "lookup") else None, target.embed,

@@ -39,7 +39,7 @@ from ..models.batchcache import BatchCache
 from ..models.drafter import DraftCache, Drafter
 from ..models.fastpath import BUCKETS, FastPath
 from ..models.target import Target
-from .generate import Stats
+from .stats import Stats
 from .proposers import Proposer, make_proposer
 from .sampling import SamplingParams, choose
 from .trees import Tree

@@ -27,7 +27,7 @@ from jinja2 import TemplateError
 
 from ..decoding import costmodel
 from ..decoding.batch import BatchDecoder
-from ..decoding.generate import Stats
+from ..decoding.stats import Stats
 from ..decoding.text import TextAssembler
 from ..errors import TreeflashError
 from .budget_tuner import BudgetTuner

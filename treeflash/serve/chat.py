@@ -5,7 +5,7 @@ import sys
 from typing import Callable, TextIO
 
 from ..config import GenerationConfig
-from ..decoding.generate import Stats
+from ..decoding.stats import Stats
 from ..errors import TreeflashError
 
 HELP = "commands: /reset clears the conversation, /exit quits (so does Ctrl-D)"

@@ -9,7 +9,7 @@ import math
 import threading
 from collections import defaultdict
 
-from ..decoding.generate import Stats
+from ..decoding.stats import Stats
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from jinja2 import TemplateError
 
 from ..config import GenerationConfig
-from ..decoding.generate import Stats
+from ..decoding.stats import Stats
 from ..decoding.text import pieces
 from ..errors import TreeflashError
 from .metrics import Metrics
