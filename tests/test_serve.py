@@ -170,7 +170,7 @@ def held_server(model_dirs):
     from treeflash.models.drafter import load_drafter
     from treeflash.models.target import Target
     from treeflash.serve.app import create_app
-    from treeflash.serve.worker import ServeConfig
+    from treeflash.serve.jobs import ServeConfig
 
     target_dir, drafter_dir = model_dirs
     engine = HeldEngine(Engine(Target.load(str(target_dir)), load_drafter(drafter_dir)))

@@ -171,7 +171,7 @@ def batch_server(model_dirs):
     from treeflash.models.drafter import load_drafter
     from treeflash.models.target import Target
     from treeflash.serve.app import create_app
-    from treeflash.serve.worker import ServeConfig
+    from treeflash.serve.jobs import ServeConfig
 
     target_dir, drafter_dir = model_dirs
     engine = Engine(Target.load(str(target_dir)), load_drafter(drafter_dir), backend="static")
@@ -358,7 +358,7 @@ def test_adaptive_budgets_follow_the_batch_size(model_dirs, reference):
     from treeflash.models.target import Target
     from treeflash.serve.batch_worker import BatchWorker
     from treeflash.serve.metrics import Metrics
-    from treeflash.serve.worker import Job, ServeConfig
+    from treeflash.serve.jobs import Job, ServeConfig
 
     target_dir, drafter_dir = model_dirs
     engine = Engine(Target.load(str(target_dir)), load_drafter(drafter_dir), backend="static")
@@ -483,7 +483,7 @@ def test_soak_sixteen_clients_with_random_disconnects(model_dirs, reference):
     from treeflash.models.drafter import load_drafter
     from treeflash.models.target import Target
     from treeflash.serve.app import create_app
-    from treeflash.serve.worker import ServeConfig
+    from treeflash.serve.jobs import ServeConfig
 
     target_dir, drafter_dir = model_dirs
     engine = Engine(Target.load(str(target_dir)), load_drafter(drafter_dir), backend="static")

@@ -23,7 +23,8 @@ from .metrics import Metrics
 from .schemas import (MAX_STOP, MAX_STOP_CHARS, ApiError, ChatCompletionRequest, CompletionRequest,
                       GenerationRequest, chat_chunk, chat_response, completion_response, error_body, new_id, usage)
 from .batch_worker import BatchWorker
-from .worker import Done, Job, ServeConfig, Worker
+from .jobs import Done, Job, ServeConfig
+from .worker import Worker
 
 CHARS_PER_TOKEN_BOUND = 64  # a prompt longer than this many chars per allowed token is refused untokenised
 ERROR_RESPONSES = {400: {"description": "bad request (OpenAI-style JSON error)"},

@@ -31,9 +31,10 @@ from ..decoding.stats import Stats
 from ..decoding.text import TextAssembler
 from ..errors import TreeflashError
 from .budget_tuner import BudgetTuner
+from .jobs import Done, Job, ServeConfig
 from .metrics import Metrics
 from .schemas import ApiError
-from .worker import Done, Job, ServeConfig, Worker
+from .worker import Worker
 
 PAGE_SIZE = 16
 

@@ -69,7 +69,7 @@ def _is_loopback(host: str) -> bool:
 def _config(args, model_name: str):
     """The server's settings; its GenerationConfig is checked against the engine later (`_warm_up`)."""
     from ..config import GenerationConfig
-    from .worker import ServeConfig
+    from .jobs import ServeConfig
 
     for name in ("max_tokens_limit", "max_new_tokens", "max_queue", "max_batch", "prefill_chunk"):
         if getattr(args, name) < 1:
