@@ -20,19 +20,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def generation_config(engine, args):
-    """The options' GenerationConfig, checked, with --tree-size auto replaced by the measured
-    choice (said on stderr)."""
-    from .config import GenerationConfig
-
-    cfg = engine.config(GenerationConfig.from_args(args))
-    if cfg.tree_size == "auto":
-        choice = engine.auto_tree_size(cfg)
-        print(f"treeflash: {choice.summary()}", file=sys.stderr)
-        cfg = cfg.replace(tree_size=choice.budget)
-    return cfg
-
-
 def check_prompt(prompt: str) -> None:
     from .errors import TreeflashError
 
@@ -69,6 +56,7 @@ def torch_threads() -> int:
 
 
 def run(args) -> int:
+    from .api import generation_config
     from .cli import load_engine, print_json
     from .decoding.stats import Stats
 

@@ -186,7 +186,7 @@ def run(args) -> int:
     engine = load_engine(args)
     if args.verify_costs:
         return print_verify_costs(engine, args.verify_costs.split(","), args.json)
-    from ..cli_generate import generation_config
+    from ..api import generation_config
 
     cfg = generation_config(engine, args)  # --tree-size auto: the measured choice
     prompts = [s.turns[0] for s in sample_prompts(args.dataset, args.num_prompts, seed=0)]

@@ -120,7 +120,7 @@ def _prepare_app(args, config, create_app):
     """Load, check, calibrate and warm up the engine, then build the app (its worker compiles the
     batched steps): all the torch work before serving."""
     engine = _load_engine(args)
-    from ..cli_generate import generation_config
+    from ..api import generation_config
     from .batch_worker import check_batchable
 
     check_batchable(engine, config.max_batch)  # before the (slow) --tree-size auto calibration
@@ -156,7 +156,7 @@ def run_serve(args) -> int:
 
 
 def run_chat(args) -> int:
-    from ..cli_generate import generation_config
+    from ..api import generation_config
     from .chat import HELP, ChatSession, line_reader
 
     engine = _load_engine(args)
