@@ -3,7 +3,7 @@ bf16) for plain decoding and treeflash+lookup at budgets 4 and 2, at 1, 4 and N 
 Usage: python scripts/batch-backends.py static,compiled 8"""
 import sys, time, torch
 from treeflash.api import load
-from treeflash.bench.datasets import sample_prompts
+from treeflash.datasets import sample_prompts
 torch.set_num_threads(2)
 backends = sys.argv[1].split(",")
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 8

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from treeflash.api import load
-from treeflash.bench.datasets import sample_prompts
+from treeflash.datasets import sample_prompts
 
 torch.set_num_threads(2)
 target = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m"

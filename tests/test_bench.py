@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from treeflash.bench import datasets
+from treeflash import datasets
 from treeflash.bench.humaneval_exec import check_completions, extract_completion
 from treeflash.cli import main
 
@@ -228,7 +228,7 @@ def test_quantized_bench_reports_agreement_with_the_unquantized_target(tmp_path,
     pct = int(note.split("% of the unquantized")[0].split("; ")[-1])
     # the same figures, recomputed here from the quantized generations and a fresh unquantized engine
     from treeflash import api
-    from treeflash.bench.datasets import sample_prompts
+    from treeflash.datasets import sample_prompts
 
     quantized = {g["id"]: g["turns"][0]["token_ids"] for g in map(json.loads, (out / "generations.jsonl").open())
                  if g["method"] == "vanilla"}

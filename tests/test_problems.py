@@ -6,7 +6,7 @@ import random
 import re
 from fractions import Fraction
 
-from treeflash.bench.datasets import STEP_BY_STEP, load_gsm8k
+from treeflash.datasets import STEP_BY_STEP, load_gsm8k
 from treeflash.cli import main
 from treeflash.training import problems
 

@@ -4,7 +4,7 @@ Every `import` / `from ... import` in treeflash/ is read with `ast` (those insid
 cycle through a deferred import is still a cycle a reader has to untangle), relative imports
 resolved; imports under `if TYPE_CHECKING:` are left out (they never run). Layers, bottom up:
 
-  0. options, errors, fsutil, config   the names and checks every layer shares
+  0. options, errors, fsutil, config, datasets   the names, checks and prompts every layer shares
   1. models/                           target, drafter, caches, checkpoints (never decoding/)
   2. decoding/                         proposers, trees, the decode loop
   3. api                               Engine, load()
@@ -17,7 +17,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "treeflash"
 LAYERS = [
-    ("treeflash.options", "treeflash.errors", "treeflash.fsutil", "treeflash.config"),
+    ("treeflash.options", "treeflash.errors", "treeflash.fsutil", "treeflash.config", "treeflash.datasets"),
     ("treeflash.models",),
     ("treeflash.decoding",),
     ("treeflash.api",),
@@ -142,3 +142,11 @@ def test_layers_import_only_downwards():
     bad = [f"{name} -> {dep}" for name, deps in sorted(import_graph().items()) for dep in sorted(deps)
            if layer(dep) > layer(name)]
     assert not bad, "upward imports: " + ", ".join(bad)
+
+
+def test_training_does_not_import_bench():
+    """Training reads the prompts from treeflash/datasets.py, shared with bench/, never from bench/."""
+    graph = import_graph()
+    bad = [f"{name} -> {dep}" for name, deps in sorted(graph.items()) if name.startswith("treeflash.training")
+           for dep in sorted(deps) if dep.startswith("treeflash.bench")]
+    assert not bad, "training imports bench: " + ", ".join(bad)

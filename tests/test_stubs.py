@@ -5,7 +5,7 @@ import ast
 import json
 import textwrap
 
-from treeflash.bench.datasets import humaneval_instruction
+from treeflash.datasets import humaneval_instruction
 from treeflash.cli import main
 from treeflash.training import stubs
 

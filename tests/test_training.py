@@ -461,7 +461,7 @@ def test_with_ar_keeps_the_draft_vocab():
 def test_tau_prompts_are_the_bench_prompts(capsys):
     """`train tau --sets NAME` measures on exactly the prompts `treeflash bench --datasets NAME`
     samples, worded as it words them, under the bench's dataset names (`bench:NAME` still accepted)."""
-    from treeflash.bench.datasets import humaneval_instruction, sample_prompts
+    from treeflash.datasets import humaneval_instruction, sample_prompts
     from treeflash.cli import main
     from treeflash.training.cli import load_prompts
 

@@ -22,7 +22,7 @@ def register(sub) -> None:
     from ..cli import add_model_args
     from ..config import GenerationConfig
     from .arms import ALL_METHODS
-    from .datasets import DATASETS
+    from ..datasets import DATASETS
 
     p = sub.add_parser("bench", help="benchmark acceptance length and speed against peers",
                        description=__doc__.splitlines()[0])

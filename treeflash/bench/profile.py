@@ -174,7 +174,7 @@ def run(args) -> int:
 
     from ..cli import load_engine
     from ..errors import TreeflashError
-    from .datasets import sample_prompts
+    from ..datasets import sample_prompts
 
     if args.threads is not None:
         if args.threads < 1:

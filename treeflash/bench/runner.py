@@ -17,12 +17,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..config import GenerationConfig, is_compiled
-from ..decoding.stats import Stats
+from ..datasets import DATASETS, Sample, sample_prompts
 from ..decoding.lookup import copy_steps
+from ..decoding.stats import Stats
 from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
 from ..options import DEFAULT_TARGET, DRAFTER_METHODS
-from .datasets import DATASETS, Sample, sample_prompts
 from .arms import ALL_METHODS, TREE_METHODS, Generation, Method
 from .methods import build_methods
 

@@ -21,7 +21,7 @@ from ..options import METHODS
 
 
 def register(sub) -> None:
-    from ..bench.datasets import DATASETS  # stdlib only
+    from ..datasets import DATASETS  # stdlib only
 
     p = sub.add_parser("train", help="train a DFlash/TreeFlash drafter (features, fit, export, tau)")
     st = p.add_subparsers(dest="stage", required=True)
@@ -249,10 +249,10 @@ def run_plot(args) -> int:
 def load_prompts(name: str, n: int) -> list[list[str]]:
     """Each prompt is a list of user turns (MT-Bench has two): the n prompts of the bench dataset
     `name` that `treeflash bench --datasets NAME --num-prompts n` runs, worded as it words them
-    (bench/datasets.py; a `bench:` prefix is accepted and ignored). The tau figures in
+    (treeflash/datasets.py; a `bench:` prefix is accepted and ignored). The tau figures in
     docs/drafter-recipe.md were measured on the first n items of each set in their own wording, so
     these prompts can give slightly different figures."""
-    from ..bench.datasets import sample_prompts
+    from ..datasets import sample_prompts
 
     return [s.turns for s in sample_prompts(name.removeprefix("bench:"), n)]
 

@@ -268,7 +268,7 @@ TEMPLATES: dict[str, Problem] = {f.__name__: f for f in (
 def problem_prompts(limit: int, seed: int = 0) -> list[dict]:
     """`limit` distinct prompt rows (`id`, `messages`), templates taken in turn; ids are
     `problems/<template>/<hash>`. Each question ends with GSM8K's instruction (`STEP_BY_STEP`)."""
-    from ..bench.datasets import STEP_BY_STEP
+    from ..datasets import STEP_BY_STEP
     rng, rows, seen = random.Random(seed), [], set()
     names, misses = list(TEMPLATES), 0
     while len(rows) < limit:

