@@ -9,14 +9,14 @@ torch.set_num_threads(2)
 engine = load(quiet=True)
 engine = type(engine)(engine.target, engine.drafter, backend="compiled")
 cfg = engine.config(method="treeflash+lookup", tree_size=5, max_new_tokens=64)
-prep = [engine._prepare([{"role": "user", "content": p}], cfg) for p in PROMPTS[:4]]
+prep = [engine.prepare([{"role": "user", "content": p}], cfg) for p in PROMPTS[:4]]
 def run(tag, fix=None):
     if fix == "threads": torch.set_num_threads(2)
     if fix == "denormal": torch.set_flush_denormal(True)
     dec = BatchDecoder(engine.target, engine.drafter, capacity=4096)
     toks = 0; t0 = time.perf_counter()
     for ids, _, prop in prep:
-        prop2 = engine._prepare([{"role": "user", "content": "x"}], cfg)[2]
+        prop2 = engine.prepare([{"role": "user", "content": "x"}], cfg)[2]
         sid = dec.add(ids, cfg, proposer=prop2)
         (_, st), = dec.run([sid]); toks += st.new_tokens
     print(f"{tag} {fix}: {toks/(time.perf_counter()-t0):.1f} tok/s", flush=True)

@@ -69,12 +69,12 @@ def engine():
 def seen(engine, monkeypatch):
     """The configs the engine prepared generations with (the real run goes on)."""
     got: list[GenerationConfig] = []
-    prepare = Engine._prepare
+    prepare = Engine.prepare
 
     def spy(self, prompt, cfg, chat=True):
         got.append(cfg)
         return prepare(self, prompt, cfg, chat)
-    monkeypatch.setattr(Engine, "_prepare", spy)
+    monkeypatch.setattr(Engine, "prepare", spy)
     monkeypatch.setattr(api, "load", lambda *a, **kw: engine)
     # the tiny target has no tokenizer: any text or chat becomes these token ids
     monkeypatch.setattr(engine.target, "encode", lambda prompt, chat=True: PROMPT)
@@ -194,11 +194,11 @@ def test_auto_stage2_columns_grow_with_the_budget_and_an_explicit_value_is_kept(
 
 
 def test_prepare_compiles_every_tree_size_up_to_the_budget(engine, monkeypatch):
-    """Every caller of `_prepare` (generation, `profile`, `bench`) gets the compiled steps of trees of
+    """Every caller of `prepare` (generation, `profile`, `bench`) gets the compiled steps of trees of
     1..budget nodes before it times anything: a tree at the end of a generation is smaller."""
     sizes: list[list[int]] = []
     monkeypatch.setattr(engine.target, "warm", lambda tree_sizes: sizes.append(list(tree_sizes)))
-    engine._prepare([5, 6, 7], engine.config(method="treeflash", tree_size=4))
+    engine.prepare([5, 6, 7], engine.config(method="treeflash", tree_size=4))
     assert sizes == [[1, 2, 3, 4]]
 
 

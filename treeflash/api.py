@@ -81,24 +81,26 @@ class Engine:
         if drafter is not None:
             check_fits(drafter.config, target.config, target.vocab_rows)
             drafter.to(device=target.device, dtype=target.dtype)
-        self._bind()
+        self.bind()
 
     def config(self, config: GenerationConfig | None = None, **overrides) -> GenerationConfig:
         """`config` (default: `GenerationConfig()`) with `overrides`, checked against the target."""
         cfg = config or GenerationConfig()
         return (cfg.replace(**overrides) if overrides else cfg).check(self.target.vocab_rows)
 
-    def _bind(self) -> None:
-        """Put the shared target in this engine's state: its backend, the layers its drafter reads."""
+    def bind(self) -> None:
+        """Put the shared target in this engine's state: its backend, the layers its drafter reads
+        (before any target call made outside the engine's own loops, as the batched server's)."""
         if self.target.backend != self.backend:
             self.target.set_backend(self.backend)
             self.backend = self.target.backend  # "auto" resolves to a concrete path
         if self.drafter is not None and self.target.tap_ids != self.drafter.config.target_layer_ids:
             self.target.set_taps(self.drafter.config.target_layer_ids)
 
-    def _prepare(self, prompt, cfg: GenerationConfig, chat: bool = True):
-        """(prompt ids, sampling, proposer) for one generation."""
-        self._bind()
+    def prepare(self, prompt, cfg: GenerationConfig, chat: bool = True):
+        """(prompt ids, sampling, proposer) for one generation, its steps compiled: what the engine's
+        loops start from, and the loops that run outside it (the batched server, `bench profile`)."""
+        self.bind()
         vocab = self.target.vocab_rows
         budget = self.auto_tree_size(cfg).budget if cfg.tree_size == "auto" else cfg.tree_size
         proposer = make_proposer(cfg.method, self.drafter, self.target.embed, self.target.drafting_head,
@@ -118,7 +120,7 @@ class Engine:
         overrides of its fields (`method=`, `tree_size=`, ...) say how; see `GenerationConfig`.
         Stop strings are not applied here (token ids): `stream` and `generate` apply them."""
         cfg = self.config(config, **overrides)
-        ids, sampling, proposer = self._prepare(prompt, cfg, chat)
+        ids, sampling, proposer = self.prepare(prompt, cfg, chat)
         with torch.no_grad():
             yield from decode(self.target, proposer, ids, cfg.max_new_tokens, sampling, cfg.seed, stats,
                               set() if cfg.ignore_eos else None)
@@ -133,7 +135,7 @@ class Engine:
         from .decoding import costmodel
 
         cfg = self.config(config, **overrides)
-        self._bind()
+        self.bind()
         key = (cfg.method, cfg.top_m, cfg.top_k, cfg.stage2_vocab, cfg.draft_vocab, cfg.block_len, self.target.backend,
                torch.get_num_threads())
         if key in self.auto:
@@ -221,7 +223,7 @@ class Engine:
 
         cfg = self.config(config, **overrides)
         dec = BatchDecoder(self.target, self.drafter)
-        prepared = [self._prepare(x, cfg, chat) for x in prompts]
+        prepared = [self.prepare(x, cfg, chat) for x in prompts]
         dec.warm(sum(p.params.budget for _, _, p in prepared))
         seqs = [dec.add(ids, cfg, proposer=p) for ids, _, p in prepared]
         texts = [self.assembler(cfg) for _ in seqs]

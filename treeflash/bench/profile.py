@@ -80,7 +80,7 @@ def profile(engine, prompts: list[str], methods: list[str], config) -> dict:
         for method in methods:
             name, _, opt = method.partition(":")
             cfg = engine.config(config, method=name, draft_vocab=config.draft_vocab and opt != "full", temperature=0.0)
-            ids, sampling, proposer = engine._prepare(prompt, cfg)
+            ids, sampling, proposer = engine.prepare(prompt, cfg)
             timers, stats = Timers(), Stats()
             with instrumented(engine, proposer, timers):
                 for i, _ in enumerate(decode(engine.target, proposer, ids, cfg.max_new_tokens, sampling, None, stats)):

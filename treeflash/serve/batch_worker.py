@@ -45,7 +45,7 @@ def check_batchable(engine, max_batch: int) -> None:
 
     if max_batch <= 1:
         return
-    engine._bind()  # the engine's backend on its target
+    engine.bind()  # the engine's backend on its target
     target = engine.target
     if not isinstance(target.runner, FastPath):
         raise TreeflashError(f"--max-batch {max_batch} needs the static or a compiled backend (Llama / Qwen family); "
@@ -146,7 +146,7 @@ class BatchWorker(Worker):
         self.metrics.observe_queue_time(time.perf_counter() - job.arrived)
         try:
             ids = self._encode(job)
-            _, _, proposer = self.engine._prepare(ids, job.config, chat=False)
+            _, _, proposer = self.engine.prepare(ids, job.config, chat=False)
             sid = self.decoder.add(ids, job.config, proposer=proposer)
         except ApiError as e:
             job.emit("error", e)
