@@ -44,12 +44,13 @@ def _runtime_nodes(tree: ast.AST):
                 stack.append(child)
 
 
-def imports(name: str, path: Path, modules: set[str]) -> set[str]:
+def imports(name: str, path: Path, modules: set[str], typing: bool = False) -> set[str]:
     """The treeflash modules `name` imports (a name imported from a package counts as its submodule
-    when there is one, else as the package)."""
+    when there is one, else as the package); typing: those under `if TYPE_CHECKING:` too."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree) if typing else _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in modules)
         elif isinstance(node, ast.ImportFrom):
@@ -67,9 +68,9 @@ def imports(name: str, path: Path, modules: set[str]) -> set[str]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(typing: bool = False) -> dict[str, set[str]]:
     paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    return {name: imports(name, path, set(paths)) for name, path in paths.items()}
+    return {name: imports(name, path, set(paths), typing) for name, path in paths.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -150,3 +151,11 @@ def test_training_does_not_import_bench():
     bad = [f"{name} -> {dep}" for name, deps in sorted(graph.items()) if name.startswith("treeflash.training")
            for dep in sorted(deps) if dep.startswith("treeflash.bench")]
     assert not bad, "training imports bench: " + ", ".join(bad)
+
+
+def test_drafter_and_its_checkpoint_files_do_not_import_each_other():
+    """models/drafter.py reads and writes checkpoints through models/drafter_io.py, which types the
+    drafter with `drafter_config.DrafterWeights`: no import back, not even for type checking."""
+    graph = import_graph(typing=True)
+    assert "treeflash.models.drafter_io" in graph["treeflash.models.drafter"]
+    assert "treeflash.models.drafter" not in graph["treeflash.models.drafter_io"]

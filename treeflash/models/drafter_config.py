@@ -10,6 +10,7 @@ docs/checkpoints.md; the files are read and written by models/drafter_io.py):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from ..errors import TreeflashError
 
@@ -175,6 +176,17 @@ class DrafterConfig:
             candidate_tokens=int(tf.get("candidate_tokens", 16)),
             extra={k: v for k, v in d.items() if k not in known},
         )
+
+
+class DrafterWeights(Protocol):
+    """What a checkpoint reads and writes of a drafter (`drafter.Drafter` is one): a type of its own,
+    so that models/drafter_io.py and models/drafter.py need not import each other."""
+
+    config: DrafterConfig
+    ar_approximation: Any  # the TreeFlash AR-approximation module, or None
+    draft_vocab: Any  # [Vd] int64 token ids, or None
+
+    def state_dict(self) -> dict: ...
 
 
 def check_format(fmt: str) -> str:

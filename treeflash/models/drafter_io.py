@@ -4,22 +4,18 @@ Tensor names follow the published drafters: `layers.N.*`, `fc`, `hidden_norm`, `
 `model.` in TreeFlash checkpoints) and `ar_approximation.*` (see models/drafter_config.py for the
 two layouts, docs/checkpoints.md for what each engine reads). `treeflash export` (models/export.py)
 writes through `save_drafter`; `drafter.load_drafter` reads through `read_config`, `read_state_dict`,
-`check_tensors` and `read_draft_vocab`. This module never builds a `Drafter` (it takes one to save or
-to check against), so it does not import models/drafter.py.
+`check_tensors` and `read_draft_vocab`. This module never builds a `Drafter`: it takes one to save or
+to check against, typed as `drafter_config.DrafterWeights`, so it does not import models/drafter.py.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import TreeflashError
-from .drafter_config import DrafterConfig, check_format
-
-if TYPE_CHECKING:
-    from .drafter import Drafter
+from .drafter_config import DrafterConfig, DrafterWeights, check_format
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -27,7 +23,7 @@ DRAFT_VOCAB_NAME = "draft_vocab.safetensors"  # optional: {"token_ids": [Vd] int
 INDEX_NAME = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {tensor: file}}
 
 
-def state_dict_for(drafter: Drafter, fmt: str | None = None) -> dict[str, torch.Tensor]:
+def state_dict_for(drafter: DrafterWeights, fmt: str | None = None) -> dict[str, torch.Tensor]:
     """Tensors under the published names of `fmt` (dflash: top level, without the AR part)."""
     fmt = check_format(fmt or drafter.config.default_format)
     sd = drafter.state_dict()
@@ -38,7 +34,7 @@ def state_dict_for(drafter: Drafter, fmt: str | None = None) -> dict[str, torch.
     return dict(sd)
 
 
-def save_drafter(drafter: Drafter, out_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16,
+def save_drafter(drafter: DrafterWeights, out_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16,
                  fmt: str | None = None) -> Path:
     """Write config.json + model.safetensors in the published layout `fmt` (default: treeflash
     when there is an AR-approximation, else dflash). Returns the directory.
@@ -132,7 +128,7 @@ def _names(names: list[str], limit: int = 6) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def check_tensors(p: Path, model: Drafter, sd: dict[str, torch.Tensor]) -> None:
+def check_tensors(p: Path, model: DrafterWeights, sd: dict[str, torch.Tensor]) -> None:
     """`sd` holds exactly `model`'s tensors, each of its shape (else a TreeflashError naming them)."""
     expected = model.state_dict()
     missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
