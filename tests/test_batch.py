@@ -14,7 +14,7 @@ from treeflash.decoding.proposers import TreeParams, make_proposer
 from treeflash.decoding.sampling import SamplingParams
 from treeflash.decoding.stats import Stats
 from treeflash.errors import TreeflashError
-from treeflash.models.batchcache import BatchCache
+from treeflash.models.batchcache import PAGE_SIZE, BatchCache, round_up
 from treeflash.models.kvcache import StaticKV
 
 from conftest import ORACLES, tiny_drafter, tiny_target, vanilla
@@ -293,6 +293,18 @@ def test_a_wrong_mask_breaks_exactness(setup, monkeypatch, wrong):
     got, _, _ = batched(target, drafter, greedy, methods)
     ref = alone(target, drafter, greedy, methods)
     assert any(g != w[:len(g)] for g, (w, _) in zip(got, ref))
+
+
+def test_pages_round_up_to_one_page_size():
+    """One page size and one rounding rule for the pool, the decoder and the server's pool size."""
+    from treeflash.serve.batch_worker import pool_slots
+    from treeflash.serve.jobs import ServeConfig
+
+    assert [round_up(n, 16) for n in (1, 16, 17, 32)] == [16, 16, 32, 32]
+    cache = BatchCache(StaticKV(1, 1, 1, 2 * PAGE_SIZE, torch.float32, "cpu"))
+    assert cache.page_size == PAGE_SIZE and [cache.pages_for(n) for n in (0, 1, PAGE_SIZE, PAGE_SIZE + 1)] == [0, 1, 1, 2]
+    cfg = ServeConfig(model_name="m", max_tokens_limit=100, max_prompt_tokens=10, max_batch=3)
+    assert pool_slots(1000, cfg, budget=8) == 3 * round_up(118, PAGE_SIZE)
 
 
 def test_pool_pages_compaction_and_free():

@@ -35,13 +35,13 @@ import torch
 
 from ..config import GenerationConfig
 from ..errors import TreeflashError
-from ..models.batchcache import BatchCache
+from ..models.batchcache import PAGE_SIZE, BatchCache, round_up
 from ..models.drafter import DraftCache, Drafter
 from ..models.fastpath import BUCKETS, FastPath
 from ..models.target import Target
-from .stats import Stats
 from .proposers import Proposer, make_proposer
 from .sampling import SamplingParams, choose
+from .stats import Stats
 from .trees import Tree
 from .verify import accept
 
@@ -181,7 +181,7 @@ class BatchDecoder:
     every admitted prompt whole in the step it joins)."""
 
     def __init__(self, target: Target, drafter: Drafter | None = None, capacity: int | None = None,
-                 page_size: int = 16, prefill_chunk: int | None = None):
+                 page_size: int = PAGE_SIZE, prefill_chunk: int | None = None):
         if not isinstance(target.runner, FastPath):
             raise TreeflashError(f"batched decoding needs the static or a compiled backend (Llama / Qwen family); "
                                  f"the target runs {target.backend}")
@@ -293,7 +293,7 @@ class BatchDecoder:
     def _admit(self) -> list[Seq]:
         """Waiting requests join, first come first served, while their reservations fit the pool."""
         if self.cache is None:
-            need = sum(-(-s.need // self.page_size) for s in self.waiting) * self.page_size
+            need = sum(round_up(s.need, self.page_size) for s in self.waiting)
             self.cache = BatchCache.for_runner(self.runner, max(need, self.page_size), self.page_size)
         new = []
         while self.waiting and self.cache.fits(self.waiting[0].need):

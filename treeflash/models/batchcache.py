@@ -28,6 +28,13 @@ import torch
 from ..errors import TreeflashError
 from .kvcache import StaticKV, causal
 
+PAGE_SIZE = 16  # slots per page of a batch pool: the serve worker's and the batch decoder's default
+
+
+def round_up(n: int, step: int) -> int:
+    """`n` rounded up to a whole number of `step`s (slots to whole pages, widths to whole steps)."""
+    return -(-n // step) * step
+
 
 class PoolFull(TreeflashError):
     """A sequence's reservation does not fit the pool now (wait for others to finish)."""
@@ -52,7 +59,7 @@ def slot_table(pages: list[int], page_size: int, device) -> torch.Tensor:
 class BatchCache:
     """Pool bookkeeping for a batch (see the module's docstring). `kv` is what the forward writes."""
 
-    def __init__(self, kv: StaticKV, page_size: int = 16, spare: int = 0):
+    def __init__(self, kv: StaticKV, page_size: int = PAGE_SIZE, spare: int = 0):
         pages = kv.capacity - spare
         if pages <= 0 or pages % page_size:
             raise TreeflashError(f"pool of {pages} slots is not a whole number of {page_size}-slot pages")
@@ -63,11 +70,11 @@ class BatchCache:
         self.seqs: dict[int, SeqSlots] = {}
 
     @classmethod
-    def for_runner(cls, runner, capacity: int, page_size: int = 16) -> "BatchCache":
+    def for_runner(cls, runner, capacity: int, page_size: int = PAGE_SIZE) -> "BatchCache":
         """A pool of at least `capacity` slots for a `FastPath` runner's model (with the compiled
         backends' spare slots, and a symbolic slot dimension: their graphs serve any pool)."""
         p = next(runner.model.parameters())
-        cap = -(-capacity // page_size) * page_size
+        cap = round_up(capacity, page_size)
         spare = runner.spare_slots
         kv = StaticKV(len(runner.decoder.layers), runner.n_kv, runner.head_dim, cap + spare, p.dtype, p.device)
         runner.mark_dynamic(kv)
@@ -89,7 +96,7 @@ class BatchCache:
         return sum(s.reserved for s in self.seqs.values()) * self.page_size
 
     def pages_for(self, slots: int) -> int:
-        return -(-slots // self.page_size)
+        return round_up(slots, self.page_size) // self.page_size
 
     def fits(self, need: int) -> bool:
         """Whether a sequence of at most `need` slots can be added now."""

@@ -30,13 +30,12 @@ from ..decoding.batch import BatchDecoder
 from ..decoding.stats import Stats
 from ..decoding.text import TextAssembler
 from ..errors import TreeflashError
+from ..models.batchcache import PAGE_SIZE, round_up
 from .budget_tuner import BudgetTuner
 from .jobs import Done, Job, ServeConfig
 from .metrics import Metrics
 from .schemas import ApiError
 from .worker import Worker
-
-PAGE_SIZE = 16
 
 
 def check_batchable(engine, max_batch: int) -> None:
@@ -58,7 +57,7 @@ def pool_slots(max_length: int, config: ServeConfig, budget: int, page_size: int
     max_tokens_limit (within the context window) plus one tree, each rounded up to whole pages."""
     prompt = min(config.max_prompt_tokens or max_length, max_length - 1)
     need = min(max_length, prompt + config.max_tokens_limit) + budget
-    return config.max_batch * -(-need // page_size) * page_size
+    return config.max_batch * round_up(need, page_size)
 
 
 @dataclass
