@@ -23,6 +23,9 @@ from pathlib import Path
 
 import httpx
 
+from treeflash.cli import add_target_arg
+from treeflash.config import tree_size_arg
+
 PROMPTS = ("Explain what a hash table is.", "Write a short poem about the sea.",
            "List five uses of a paperclip.", "How do vaccines work?",
            "What is the difference between a list and a tuple in Python?", "Give three tips for better sleep.")
@@ -100,9 +103,9 @@ def one_round(url: str, rng: random.Random, clients: int, requests: int) -> tupl
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--target", default="smollm2-135m")
+    add_target_arg(ap, "the server's target")
     ap.add_argument("--backend", default="static")
-    ap.add_argument("--tree-size", default="auto")
+    ap.add_argument("--tree-size", type=tree_size_arg, default="auto", help="the server's tree size (default: auto)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--port", type=int, default=8013)
@@ -113,7 +116,7 @@ def main() -> int:
     url = f"http://127.0.0.1:{args.port}"
     cmd = [sys.executable, "-m", "treeflash", "serve", "--target", args.target, "--dtype", "float32", "--port",
            str(args.port), "--max-batch", "8", "--max-queue", "32", "--prefill-chunk", "16", "--backend",
-           args.backend, "--tree-size", args.tree_size, "--max-tokens-limit", "256"]
+           args.backend, "--tree-size", str(args.tree_size), "--max-tokens-limit", "256"]
     log = open(out / "server.log", "w")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -210,3 +210,22 @@ def test_stop_string_ends_generate_and_stream(engine):
     cut = full.text[:full.text.index(stop)]
     assert engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True, stop=[stop]).text == cut
     assert "".join(engine.stream(PROMPT, max_new_tokens=12, ignore_eos=True, stop=[stop])) == cut
+
+
+def test_one_parser_for_every_tree_size_list_and_one_method_check(capsys):
+    """bench, train tau and selftest read budget lists ("4,8,auto") through one parser; every unknown
+    method is refused by one check, in one line."""
+    import argparse
+
+    from treeflash.config import check_tree_sizes, tree_sizes_arg
+    from treeflash.options import check_method
+
+    assert tree_sizes_arg("4, 8,auto") == [4, 8, "auto"]
+    with pytest.raises(argparse.ArgumentTypeError, match="comma list of them"):
+        tree_sizes_arg("4,x")
+    with pytest.raises(TreeflashError, match="--budgets values must be >= 1"):
+        check_tree_sizes([4, 0], "--budgets")
+    with pytest.raises(TreeflashError, match="unknown method 'warp'; choose from vanilla"):
+        check_method("warp")
+    assert build_parser(["train", "tau"]).parse_args(["train", "tau", "--tree-size", "4,auto"]).tree_size == [4, "auto"]
+    assert build_parser(["selftest"]).parse_args(["selftest"]).budgets == [16, 64]

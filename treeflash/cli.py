@@ -33,10 +33,13 @@ COMMANDS = {
 }
 
 
-def add_target_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=options.DEFAULT_TARGET,
-                   help="built-in name, Hugging Face repository id (org/name[@revision]), HF model directory or "
-                        f".gguf file (default: {options.DEFAULT_TARGET})")
+def add_target_arg(p: argparse.ArgumentParser, role: str = "", default: str | None = options.DEFAULT_TARGET,
+                   default_help: str | None = None) -> None:
+    """--target, as every command declares it. role: what this command does with it (starts the help);
+    default_help: what the default means when it is not a name (export: None)."""
+    what = "built-in name, Hugging Face repository id (org/name[@revision]), HF model directory or .gguf file"
+    p.add_argument("--target", default=default,
+                   help=(f"{role}: " if role else "") + what + f" (default: {default_help or default})")
 
 
 def add_device_arg(p: argparse.ArgumentParser) -> None:

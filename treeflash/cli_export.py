@@ -11,6 +11,8 @@ from .options import DEFAULT_TARGET, DTYPES
 
 
 def register(sub) -> None:
+    from .cli import add_target_arg
+
     p = sub.add_parser("export", help="write a drafter in the published DFlash / TreeFlash checkpoint layout")
     p.add_argument("out", help="output directory (--format gguf: a .gguf file)")
     p.add_argument("--format", dest="fmt", default="dflash", choices=(*FORMATS, "gguf"),
@@ -20,9 +22,8 @@ def register(sub) -> None:
     p.add_argument("--drafter", default=None,
                    help="drafter directory, a shipped drafter name, or 'random' (default: the drafter "
                         "shipped for --target)")
-    p.add_argument("--target", default=None,
-                   help="target to check the drafter against (built-in name, HF directory or .gguf); "
-                        f"default: {DEFAULT_TARGET} when no --drafter directory is given")
+    add_target_arg(p, "target to check the drafter against", default=None,
+                   default_help=f"{DEFAULT_TARGET} when no --drafter directory is given")
     p.add_argument("--dtype", default="bfloat16", choices=[d for d in DTYPES if d != "auto"],
                    help="tensor dtype on disk (default: bfloat16)")
     p.add_argument("--copy-code", default=None, metavar="DIR",

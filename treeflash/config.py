@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import TreeflashError
-from .options import METHODS
+from .options import METHODS, check_method
 
 
 def is_compiled(backend: str) -> bool:
@@ -33,6 +33,23 @@ def tree_size_arg(value: str) -> int | str:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
+
+
+def tree_sizes_arg(value: str) -> list[int | str]:
+    """A comma list of tree sizes, e.g. "4,8,auto": the --tree-size of the commands that sweep budgets
+    (bench, train tau). Values below 1 are `check_tree_sizes`'s to refuse, with the command's message."""
+    try:
+        return [tree_size_arg(v.strip()) for v in value.split(",") if v.strip()]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a number, 'auto' or a comma list of them, got {value!r}") from None
+
+
+def check_tree_sizes(sizes: list, option: str = "--tree-size") -> list:
+    """`sizes` (numbers >= 1 and/or "auto", at least one), else a one-line TreeflashError naming `option`."""
+    numeric = [b for b in sizes if b != "auto"]
+    if not sizes or any(not _is_int(b) for b in numeric) or (numeric and min(numeric) < 1):
+        raise TreeflashError(f"{option} values must be >= 1, got {sizes}")
+    return sizes
 
 
 def _is_int(value) -> bool:
@@ -102,8 +119,7 @@ class GenerationConfig:
 
     def check(self, vocab: int) -> "GenerationConfig":
         """Raise a one-line TreeflashError on any bad value (vocab: the target's vocabulary rows)."""
-        if self.method not in METHODS:
-            raise TreeflashError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        check_method(self.method)
         if not _int_or_auto(self.tree_size):
             raise TreeflashError(f"tree size must be a number or 'auto', got {self.tree_size!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

@@ -7,6 +7,8 @@ names; code that acts on a name (`models.target.parse_dtype`, `Target.set_backen
 """
 from __future__ import annotations
 
+from .errors import TreeflashError
+
 # the built-in target that every command uses when none is named (`models.registry` resolves it)
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -26,3 +28,12 @@ QUANTIZE = ("none", "int8", "int4")
 # and each drafter tree with lookup branches added
 DRAFTER_METHODS = ("chain", "marginal", "treeflash")
 METHODS = ("vanilla", *DRAFTER_METHODS, "lookup", *(f"{m}+lookup" for m in DRAFTER_METHODS))
+# plain decoding and each drafter tree: what bench, profile and selftest compare unless told otherwise
+CORE_METHODS = ("vanilla", *DRAFTER_METHODS)
+
+
+def check_method(name: str, known: tuple[str, ...] = METHODS) -> str:
+    """`name` if it is one of `known` (default: ours), else a one-line TreeflashError listing them."""
+    if name not in known:
+        raise TreeflashError(f"unknown method {name!r}; choose from {', '.join(known)}")
+    return name

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..options import METHODS as ENGINE_METHODS
+from ..options import CORE_METHODS, METHODS as ENGINE_METHODS
 
 if TYPE_CHECKING:
     from ..config import GenerationConfig
@@ -21,6 +21,8 @@ TREE_METHODS = tuple(m for m in ENGINE_METHODS if m != "vanilla")  # use --tree-
 HF_METHODS = ("hf-generate", "hf-prompt-lookup", "hf-assisted")
 LLAMA_SERVER_METHODS = ("llama-cpp-bf16", "llama-cpp-dflash", "llama-cpp-dflash-q4")  # bench/llama_server.py
 ALL_METHODS = ENGINE_METHODS + HF_METHODS + ("llama-cpp",) + LLAMA_SERVER_METHODS
+# what `treeflash bench` (and --quick) runs without --methods: ours, then the peers that need no extra model
+DEFAULT_METHODS = (*CORE_METHODS, "hf-generate", "hf-prompt-lookup", "llama-cpp")
 
 
 @dataclass

@@ -1,7 +1,6 @@
 """`treeflash bench`: our methods and their peers on the same prompts, in one run."""
 from __future__ import annotations
 
-import argparse
 import sys
 
 
@@ -9,20 +8,11 @@ def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _sizes(value: str) -> list[int | str]:
-    from ..config import tree_size_arg
-
-    try:
-        return [tree_size_arg(v) for v in _csv(value)]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a number, 'auto' or a comma list of them, got {value!r}") from None
-
-
 def register(sub) -> None:
     from ..cli import add_model_args
-    from ..config import GenerationConfig
-    from .arms import ALL_METHODS
+    from ..config import GenerationConfig, tree_sizes_arg
     from ..datasets import DATASETS
+    from .arms import ALL_METHODS
 
     p = sub.add_parser("bench", help="benchmark acceptance length and speed against peers",
                        description=__doc__.splitlines()[0])
@@ -31,7 +21,7 @@ def register(sub) -> None:
                    help=f"comma list of {', '.join(ALL_METHODS)} (default: all but hf-assisted, which needs "
                         "--assistant)")
     p.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (default 20)")
-    p.add_argument("--tree-size", type=_sizes, default=None,
+    p.add_argument("--tree-size", type=tree_sizes_arg, default=None,
                    help="nodes verified per step; a comma list (e.g. 4,8,16,32,auto) sweeps the budget; auto picks "
                         "each method's best budget on this machine (see treeflash generate --help); default 16")
     # every generation option but the arm's own (method, tree size), the bench seed, and stop strings

@@ -17,6 +17,8 @@ import sys
 import time
 from collections import defaultdict
 
+from ..options import CORE_METHODS
+
 PARTS = ("target forward", "KV compaction", "drafter layers", "drafter heads", "lookup", "tree build",
          "LM head + acceptance", "drafter context")
 
@@ -157,7 +159,7 @@ def register(sub) -> None:
     add_model_args(p)
     GenerationConfig.add_args(p, exclude=("method", "temperature", "top_p", "sampling_top_k", "seed", "stop",
                                           "ignore_eos"), max_new_tokens=64)
-    p.add_argument("--methods", default="vanilla,chain,marginal,treeflash",
+    p.add_argument("--methods", default=",".join(CORE_METHODS),
                    help="comma list; NAME:full = NAME with the whole-vocabulary drafter head")
     p.add_argument("--dataset", default="humaneval", help="prompts from this bench dataset")
     p.add_argument("--num-prompts", type=int, default=3)

@@ -16,26 +16,25 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..config import GenerationConfig, is_compiled
+from ..config import GenerationConfig, check_tree_sizes, is_compiled
 from ..datasets import DATASETS, Sample, sample_prompts
 from ..decoding.lookup import copy_steps
 from ..decoding.stats import Stats
 from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
-from ..options import DEFAULT_TARGET, DRAFTER_METHODS
-from .arms import ALL_METHODS, TREE_METHODS, Generation, Method
+from ..options import DEFAULT_TARGET, DRAFTER_METHODS, check_method
+from .arms import ALL_METHODS, DEFAULT_METHODS, TREE_METHODS, Generation, Method
 from .methods import build_methods
 
 QUICK = dict(datasets=["humaneval", "gsm8k", "mt-bench"], num_prompts=2, generation=GenerationConfig(max_new_tokens=32),
-             methods=["vanilla", "chain", "marginal", "treeflash", "hf-generate", "hf-prompt-lookup", "llama-cpp"],
+             methods=list(DEFAULT_METHODS),
              tree_sizes=[16])
 
 
 @dataclass
 class BenchConfig:
     datasets: list[str] = field(default_factory=lambda: list(DATASETS))
-    methods: list[str] = field(default_factory=lambda: ["vanilla", "chain", "marginal", "treeflash",
-                                                        "hf-generate", "hf-prompt-lookup", "llama-cpp"])
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     num_prompts: int = 20
     tree_sizes: list = field(default_factory=lambda: [16])  # ints and/or "auto"
     # how every arm generates (its method and tree size are the arm's; its seed is `seed`)
@@ -63,17 +62,14 @@ class BenchConfig:
             if d not in DATASETS:
                 raise TreeflashError(f"unknown dataset {d!r}; choose from {', '.join(DATASETS)}")
         for m in self.methods:
-            if m not in ALL_METHODS:
-                raise TreeflashError(f"unknown method {m!r}; choose from {', '.join(ALL_METHODS)}")
+            check_method(m, ALL_METHODS)
         if len(set(self.methods)) != len(self.methods) or len(set(self.datasets)) != len(self.datasets):
             raise TreeflashError("a dataset or method is listed twice")
         if self.num_prompts < 1:
             raise TreeflashError(f"--num-prompts must be >= 1, got {self.num_prompts}")
         if self.generation.max_new_tokens < 1:
             raise TreeflashError(f"--max-new-tokens must be >= 1, got {self.generation.max_new_tokens}")
-        numeric = [b for b in self.tree_sizes if b != "auto"]
-        if not self.tree_sizes or any(not isinstance(b, int) for b in numeric) or (numeric and min(numeric) < 1):
-            raise TreeflashError(f"--tree-size values must be >= 1, got {self.tree_sizes}")
+        check_tree_sizes(self.tree_sizes)
         if not self.generation.temperature >= 0:
             raise TreeflashError(f"--temperature must be >= 0, got {self.generation.temperature}")
         if self.threads is not None and self.threads < 1:

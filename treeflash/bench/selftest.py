@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..options import DEFAULT_TARGET, DEVICES
+from ..options import CORE_METHODS
 
 # torch and transformers are imported where they are used: `treeflash selftest --help` loads neither
 
@@ -219,7 +219,7 @@ def bench_target(name: str, device: str):
 
 
 def bench(engine, prompts: list[list[int]], budgets, max_new: int = 128) -> list[dict]:
-    methods = ["vanilla", "chain", "marginal", "treeflash", "treeflash+lookup"]
+    methods = [*CORE_METHODS, "treeflash+lookup"]
     rows = []
     for method in methods:
         for b in ([1] if method == "vanilla" else budgets):
@@ -240,9 +240,10 @@ def run(args) -> int:
     import torch
 
     from ..api import check_device
+    from ..config import check_tree_sizes
 
     device = check_device(args.device)
-    budgets = [int(b) for b in args.budgets.split(",")]
+    budgets = check_tree_sizes(args.budgets, "--budgets")
     t0 = time.perf_counter()
     report = {"device": device, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}
@@ -278,10 +279,13 @@ def run(args) -> int:
 
 
 def register(sub) -> None:
+    from ..cli import add_device_arg, add_target_arg
+    from ..config import tree_sizes_arg
+
     p = sub.add_parser("selftest", help="exactness on this device and a greedy bench, as one JSON report")
-    p.add_argument("--device", default="auto", choices=DEVICES)
-    p.add_argument("--target", default=DEFAULT_TARGET, help="bench target (falls back to SmolLM2's shape)")
-    p.add_argument("--budgets", default="16,64", help="comma list of tree sizes for the bench")
+    add_device_arg(p)
+    add_target_arg(p, "bench target (falls back to SmolLM2's shape)")
+    p.add_argument("--budgets", type=tree_sizes_arg, default="16,64", help="comma list of tree sizes for the bench")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="bench-out/selftest.json")
     p.add_argument("--bench-only", action="store_true", help="skip the exactness runs (a rerun of the bench)")

@@ -13,7 +13,7 @@ import torch
 from ..config import TreeParams  # the proposer's parameters (checked with the rest of a GenerationConfig)
 from ..errors import TreeflashError
 from ..models.drafter import DraftCache, Drafter
-from ..options import DRAFTER_METHODS, METHODS
+from ..options import DRAFTER_METHODS, check_method
 from .heads import DraftHeads
 from .lookup import Branches, LookupIndex, LookupParams, LookupScores
 from .trees import (Tree, TransitionTables, best_first, chain_transitions, marginal_transitions,
@@ -200,8 +200,7 @@ PROPOSERS = {p.name: p for p in (Vanilla, Lookup, Chain, Marginal, TreeFlash)}
 def make_proposer(method: str, drafter, embed, lm_head, params: TreeParams,
                   lookup: LookupParams | None = None, scores: LookupScores | None = None) -> Proposer:
     """`NAME+lookup`: NAME's proposer with lookup branches (`lookup`: their parameters)."""
-    if method not in METHODS:
-        raise TreeflashError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    check_method(method)
     base, _, plus = method.partition("+")
     if base in DRAFTER_METHODS and drafter is None:
         raise TreeflashError(f"method {method!r} needs a drafter (--drafter PATH or --drafter random)")

@@ -15,9 +15,9 @@ from dataclasses import fields
 from pathlib import Path
 
 from ..cli import add_backend_arg, add_device_arg, add_dtype_arg, add_target_arg
-from ..config import valid_block_len
+from ..config import check_tree_sizes, tree_sizes_arg, valid_block_len
 from ..errors import TreeflashError
-from ..options import METHODS
+from ..options import DRAFTER_METHODS, METHODS, check_method
 
 
 def register(sub) -> None:
@@ -91,10 +91,11 @@ def register(sub) -> None:
     m.add_argument("--sets", default="humaneval,gsm8k,mt-bench",
                    help=f"comma list of {', '.join(DATASETS)}: the prompts `treeflash bench --datasets NAME "
                         "--num-prompts N` runs, worded as it words them (default: humaneval,gsm8k,mt-bench)")
-    m.add_argument("--methods", default="chain,marginal,treeflash",
+    m.add_argument("--methods", default=",".join(DRAFTER_METHODS),
                    help=f"comma list of {', '.join(METHODS)}; vanilla runs once")
     m.add_argument("-n", type=int, default=10, help="prompts per set")
-    m.add_argument("--tree-size", type=_ints, default=[16], help="nodes per step; a comma list sweeps")
+    m.add_argument("--tree-size", type=tree_sizes_arg, default=[16],
+                   help="nodes per step; a comma list (e.g. 4,8,auto) sweeps")
     m.add_argument("--block-len", type=_block_lens, default=[0],
                    help="rows of the drafter's block pass (0: as deep as the tree); a comma list sweeps")
     add_backend_arg(m)
@@ -257,7 +258,7 @@ def load_prompts(name: str, n: int) -> list[list[str]]:
     return [s.turns for s in sample_prompts(name.removeprefix("bench:"), n)]
 
 
-def measure_tau(engines: dict, sets: list[str], methods: list[str], n: int, tree_sizes: list[int],
+def measure_tau(engines: dict, sets: list[str], methods: list[str], n: int, tree_sizes: list[int | str],
                 max_new: int, warm: bool = False, block_lens: tuple[int, ...] = (0,)) -> dict:
     """{set: {label: {tau, steps, tokens, tok_per_s}}}, label "DRAFTER/METHOD@B" (vanilla: "vanilla"),
     with "/LEN" appended for a block length other than the default 0 (`--block-len`); each also
@@ -321,20 +322,13 @@ def _block_lens(value: str) -> list[int]:
     return out
 
 
-def _ints(value: str) -> list[int]:
-    out = _parse_ints(value)
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"tree sizes must be >= 1, got {value!r}")
-    return out
-
-
 def run_tau(args) -> int:
     from .. import api
 
     methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise TreeflashError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+    for m in methods:
+        check_method(m)
+    check_tree_sizes(args.tree_size)
     sets = [s for s in args.sets.split(",") if s]
     for s in sets:
         load_prompts(s, 1)
