@@ -665,7 +665,7 @@ def test_a_fault_in_one_requests_text_ends_it_alone(batch_server, reference, mon
     make = engine.assembler
 
     class Faulty:
-        def add(self, _tok):
+        def feed(self, _tok):
             raise RuntimeError("text fault")
 
     monkeypatch.setattr(engine, "assembler", lambda cfg: Faulty() if cfg.stop == ("BOOM",) else make(cfg))

@@ -112,15 +112,16 @@ class Engine:
         return self.target.encode(prompt, chat=chat), cfg.sampling(vocab), proposer
 
     def tokens(self, prompt, config: GenerationConfig | None = None, *, chat: bool = True,
-               stats: Stats | None = None, **overrides) -> Iterator[int]:
+               stats: Stats | None = None, text: TextAssembler | None = None, **overrides) -> Iterator[int]:
         """Yield new token ids (prompt: text, chat messages, or token ids). `config` and keyword
         overrides of its fields (`method=`, `tree_size=`, ...) say how; see `GenerationConfig`.
-        Stop strings are not applied here (token ids): `stream` and `generate` apply them."""
+        Stop strings apply only with `text` (`assembler(cfg)`, fed every token; `stream` and
+        `generate` pass one): decoding ends at the token completing one."""
         cfg = self.config(config, **overrides)
         ids, sampling, proposer = self._prepare(prompt, cfg, chat)
         with torch.no_grad():
             yield from decode(self.target, proposer, ids, cfg.max_new_tokens, sampling, cfg.seed, stats,
-                              set() if cfg.ignore_eos else None)
+                              set() if cfg.ignore_eos else None, text)
 
     def auto_tree_size(self, config: GenerationConfig | None = None, max_budget: int = 64, tokens: int = 48,
                        **overrides) -> AutoChoice:
@@ -190,7 +191,7 @@ class Engine:
                 text: TextAssembler, ids: list[int] | None = None) -> Iterator[str]:
         """Text pieces of one generation (`decoding.text.pieces`); `ids` (if given) receives every
         token id, stop tokens too."""
-        yield from pieces(self.tokens(prompt, cfg, chat=chat, stats=stats), text, ids)
+        yield from pieces(self.tokens(prompt, cfg, chat=chat, stats=stats, text=text), text, ids)
 
     def assembler(self, cfg: GenerationConfig) -> TextAssembler:
         """Token ids -> text for `cfg` (its stop strings; the target's stop tokens hidden)."""
@@ -221,10 +222,10 @@ class Engine:
         cfg = self.config(config, **overrides)
         dec = BatchDecoder(self.target, self.drafter)
         prepared = [self._prepare(x, cfg, chat) for x in prompts]
-        dec.warm(sum(p.params.budget for _, _, p in prepared))
-        seqs = [dec.add(ids, cfg, proposer=p) for ids, _, p in prepared]
-        texts = [self.assembler(cfg) for _ in seqs]
-        return [Result(t.final_text(), ids, st) for t, (ids, st) in zip(texts, dec.run(seqs, texts))]
+        dec.warm(sum(p.rows(p.params.budget) for _, _, p in prepared))
+        texts = [self.assembler(cfg) for _ in prepared]
+        seqs = [dec.add(ids, cfg, proposer=p, text=t) for (ids, _, p), t in zip(prepared, texts)]
+        return [Result(t.final_text(), ids, st) for t, (ids, st) in zip(texts, dec.run(seqs))]
 
 
 def default_device() -> str:
