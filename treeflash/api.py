@@ -10,7 +10,7 @@ import torch
 
 from .decoding.generate import Stats, decode
 from .config import GenerationConfig, is_compiled, uses_cpp_gemm
-from .decoding.proposers import make_proposer
+from .decoding.proposers import make_proposer, verify_rows
 from .decoding.text import TextAssembler, pieces
 from .errors import TreeflashError
 from .models import registry
@@ -60,7 +60,7 @@ class AutoChoice:
         return costmodel.draft_cost(*self.draft_costs) if self.draft_costs else (lambda _b: self.draft_s)
 
     def summary(self) -> str:
-        if self.budget == 1 and self.method != "vanilla":
+        if self.budget == 1 and verify_rows(self.method, 2) > 1:  # a proposer that could have drafted
             return (f"tree size auto -> 1: speculation does not pay on this machine for {self.method} (1-node "
                     f"forward {self.verify_costs.get(1, 0) * 1e3:.1f} ms, draft {self.draft_s * 1e3:.1f} ms/step); "
                     "decoding plainly")
@@ -140,10 +140,11 @@ class Engine:
             return self.auto[key]
         method = cfg.method
         disk_key = "|".join([costmodel.machine_key(self.target, 256), self._drafter_id(), repr(key[:-2]), str(max_budget)])
-        saved = costmodel.saved_choice(disk_key) if method != "vanilla" else None
+        plain = verify_rows(method, max_budget) < 2  # its trees are the root alone at any budget (vanilla)
+        saved = costmodel.saved_choice(disk_key) if not plain else None
         if saved is not None and "node_accept" not in saved:
             saved = None  # saved before the choice kept what the batch-adaptive budget reads: calibrate again
-        if method == "vanilla" or (self.drafter is None and method != "lookup"):
+        if plain or (self.drafter is None and method != "lookup"):
             choice = AutoChoice(method, 1, 0.0, 1.0, 0.0, {})
         elif saved is not None:  # calibrated by an earlier process on this machine
             choice = AutoChoice(method, saved["budget"], saved["expected_tokens_per_s"], saved["expected_tau"],
