@@ -479,7 +479,7 @@ def test_soak_sixteen_clients_with_random_disconnects(model_dirs, reference):
 
     from treeflash.api import Engine
     from treeflash.config import GenerationConfig
-    from treeflash.decoding.batch import Seq
+    from treeflash.decoding.sequence import Sequence as Seq
     from treeflash.models.drafter import load_drafter
     from treeflash.models.target import Target
     from treeflash.serve.app import create_app
