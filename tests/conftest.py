@@ -37,10 +37,10 @@ class _Oracle:
     hit_rate = 0.8
     bonus = 4.0
 
-    def propose(self, cache, root_token, start, max_depth, history=None):
+    def propose(self, root_token, start, max_depth, history=None, states=None):
         self._start = start
         self._rng = random.Random(start * 7919 + len(self.reference))
-        return super().propose(cache, root_token, start, max_depth, history)
+        return super().propose(root_token, start, max_depth, history, states)
 
     def _ref(self, depth: int) -> int | None:
         i = self._start + depth

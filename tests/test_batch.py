@@ -245,7 +245,7 @@ def test_chunked_prefill_gives_the_drafter_the_whole_context(setup):
         while dec.running.get(sid) is None or dec.running[sid].prefilling:
             dec.step()
         seq = dec.running[sid]
-        states.append((seq.dcache, dec._draft([seq], {sid: 5})[sid]))
+        states.append((seq.dcache, dec._draft([seq])[sid]))
     (whole, h_whole), (chunked, h_chunked) = states
     assert whole.length == chunked.length == len(prompt)
     for i in range(len(drafter.model.layers)):

@@ -479,7 +479,7 @@ def test_soak_sixteen_clients_with_random_disconnects(model_dirs, reference):
 
     from treeflash.api import Engine
     from treeflash.config import GenerationConfig
-    from treeflash.decoding.batch import Seq
+    from treeflash.decoding.sequence import Sequence as Seq
     from treeflash.models.drafter import load_drafter
     from treeflash.models.target import Target
     from treeflash.serve.app import create_app
@@ -665,7 +665,7 @@ def test_a_fault_in_one_requests_text_ends_it_alone(batch_server, reference, mon
     make = engine.assembler
 
     class Faulty:
-        def add(self, _tok):
+        def feed(self, _tok):
             raise RuntimeError("text fault")
 
     monkeypatch.setattr(engine, "assembler", lambda cfg: Faulty() if cfg.stop == ("BOOM",) else make(cfg))

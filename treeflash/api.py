@@ -11,7 +11,7 @@ import torch
 from .decoding.generate import decode
 from .decoding.stats import Stats
 from .config import GenerationConfig, is_compiled, uses_cpp_gemm
-from .decoding.proposers import make_proposer
+from .decoding.proposers import make_proposer, verify_rows
 from .decoding.text import TextAssembler, pieces
 from .errors import TreeflashError
 from .models import registry
@@ -61,7 +61,7 @@ class AutoChoice:
         return costmodel.draft_cost(*self.draft_costs) if self.draft_costs else (lambda _b: self.draft_s)
 
     def summary(self) -> str:
-        if self.budget == 1 and self.method != "vanilla":
+        if self.budget == 1 and verify_rows(self.method, 2) > 1:  # a proposer that could have drafted
             return (f"tree size auto -> 1: speculation does not pay on this machine for {self.method} (1-node "
                     f"forward {self.verify_costs.get(1, 0) * 1e3:.1f} ms, draft {self.draft_s * 1e3:.1f} ms/step); "
                     "decoding plainly")
@@ -115,15 +115,16 @@ class Engine:
         return self.target.encode(prompt, chat=chat), cfg.sampling(vocab), proposer
 
     def tokens(self, prompt, config: GenerationConfig | None = None, *, chat: bool = True,
-               stats: Stats | None = None, **overrides) -> Iterator[int]:
+               stats: Stats | None = None, text: TextAssembler | None = None, **overrides) -> Iterator[int]:
         """Yield new token ids (prompt: text, chat messages, or token ids). `config` and keyword
         overrides of its fields (`method=`, `tree_size=`, ...) say how; see `GenerationConfig`.
-        Stop strings are not applied here (token ids): `stream` and `generate` apply them."""
+        Stop strings apply only with `text` (`assembler(cfg)`, fed every token; `stream` and
+        `generate` pass one): decoding ends at the token completing one."""
         cfg = self.config(config, **overrides)
         ids, sampling, proposer = self.prepare(prompt, cfg, chat)
         with torch.no_grad():
             yield from decode(self.target, proposer, ids, cfg.max_new_tokens, sampling, cfg.seed, stats,
-                              set() if cfg.ignore_eos else None)
+                              set() if cfg.ignore_eos else None, text)
 
     def auto_tree_size(self, config: GenerationConfig | None = None, max_budget: int = 64, tokens: int = 48,
                        **overrides) -> AutoChoice:
@@ -142,10 +143,11 @@ class Engine:
             return self.auto[key]
         method = cfg.method
         disk_key = "|".join([costmodel.machine_key(self.target, 256), self._drafter_id(), repr(key[:-2]), str(max_budget)])
-        saved = costmodel.saved_choice(disk_key) if method != "vanilla" else None
+        plain = verify_rows(method, max_budget) < 2  # its trees are the root alone at any budget (vanilla)
+        saved = costmodel.saved_choice(disk_key) if not plain else None
         if saved is not None and "node_accept" not in saved:
             saved = None  # saved before the choice kept what the batch-adaptive budget reads: calibrate again
-        if method == "vanilla" or (self.drafter is None and method != "lookup"):
+        if plain or (self.drafter is None and method != "lookup"):
             choice = AutoChoice(method, 1, 0.0, 1.0, 0.0, {})
         elif saved is not None:  # calibrated by an earlier process on this machine
             choice = AutoChoice(method, saved["budget"], saved["expected_tokens_per_s"], saved["expected_tau"],
@@ -193,7 +195,7 @@ class Engine:
                 text: TextAssembler, ids: list[int] | None = None) -> Iterator[str]:
         """Text pieces of one generation (`decoding.text.pieces`); `ids` (if given) receives every
         token id, stop tokens too."""
-        yield from pieces(self.tokens(prompt, cfg, chat=chat, stats=stats), text, ids)
+        yield from pieces(self.tokens(prompt, cfg, chat=chat, stats=stats, text=text), text, ids)
 
     def assembler(self, cfg: GenerationConfig) -> TextAssembler:
         """Token ids -> text for `cfg` (its stop strings; the target's stop tokens hidden)."""
@@ -224,10 +226,10 @@ class Engine:
         cfg = self.config(config, **overrides)
         dec = BatchDecoder(self.target, self.drafter)
         prepared = [self.prepare(x, cfg, chat) for x in prompts]
-        dec.warm(sum(p.params.budget for _, _, p in prepared))
-        seqs = [dec.add(ids, cfg, proposer=p) for ids, _, p in prepared]
-        texts = [self.assembler(cfg) for _ in seqs]
-        return [Result(t.final_text(), ids, st) for t, (ids, st) in zip(texts, dec.run(seqs, texts))]
+        dec.warm(sum(p.rows(p.params.budget) for _, _, p in prepared))
+        texts = [self.assembler(cfg) for _ in prepared]
+        seqs = [dec.add(ids, cfg, proposer=p, text=t) for (ids, _, p), t in zip(prepared, texts)]
+        return [Result(t.final_text(), ids, st) for t, (ids, st) in zip(texts, dec.run(seqs))]
 
 
 def generation_config(engine: Engine, args) -> GenerationConfig:

@@ -6,18 +6,19 @@
    of them, in one forward after the trees' (each chunk causal over its sequence's slots), so a
    long prompt delays the running sequences' steps by one chunk's forward at a time; a prompt's
    last chunk emits its first token;
-2. draft: one drafter pass over every sequence's block [root, MASK x d] (`draft_blocks`: each
-   block sees its own context and itself), then each sequence's own proposer builds its tree
-   (per-sequence state: lookup index, method, budget);
+2. draft: one drafter pass over every sequence's block [root, MASK x d] (`drafting.draft_blocks`:
+   each block sees its own context and itself), then each sequence's own proposer builds its tree
+   from its block's states (per-sequence state: lookup index, method, budget);
 3. verify: ONE target forward over all trees concatenated (ragged rows at positions start+depth,
    in pool slots; each row sees its sequence's context and its tree ancestors);
 4. accept: per sequence, the bs=1 `verify.accept` over its rows of the logits, with its own
    sampler and RNG (so a seeded request samples what it samples alone);
 5. commit: the pool keeps each accepted path (one gather/scatter per layer for the batch), the
-   drafter's contexts get the accepted rows' features (one pass), tokens are emitted with the
-   bs=1 stop / length rules, and finished or cancelled sequences give their slots back.
+   drafter's contexts get the accepted rows' features (one pass), tokens are emitted by each
+   `sequence.Sequence` (the per-sequence rules the bs=1 loop runs too: stop ids and strings,
+   length, stats), and finished or cancelled sequences give their slots back.
 Faults stay with their sequence: an exception in a sequence's own work (its tree, its sampler,
-its tokens) ends that sequence alone (finish reason "error", the exception in `Seq.error`, its
+its tokens) ends that sequence alone (finish reason "error", the exception in `Sequence.error`, its
 slots back in the pool); a shared pass (the drafter's, the target's forward) that raises is run
 again for each sequence alone, and only a sequence whose own pass raises again ends.
 Plain decoding of B sequences is the case of root-only trees. Needs `FastPath` (the static and
@@ -29,54 +30,23 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from ..config import GenerationConfig
 from ..errors import TreeflashError
 from ..models.batchcache import PAGE_SIZE, BatchCache, round_up
-from ..models.drafter import DraftCache, Drafter
+from ..models.drafter import Drafter
 from ..models.fastpath import BUCKETS, FastPath
 from ..models.target import Target
+from .drafting import draft_blocks, extend_contexts  # noqa: F401 (draft_blocks: the batch's drafter pass)
 from .proposers import Proposer, make_proposer
-from .sampling import SamplingParams, choose
+from .sampling import choose
+from .sequence import Sequence
 from .stats import Stats
 from .trees import Tree
 from .verify import accept
-
-
-@dataclass
-class Seq:
-    """One request's decoding state."""
-
-    id: int
-    prompt: list[int]
-    proposer: Proposer
-    sampling: SamplingParams
-    max_new_tokens: int
-    stop_ids: set[int]
-    gen: torch.Generator | None
-    need: int                                # worst-case cache slots (its reservation)
-    max_budget: int = 1                      # the budget its reservation allows (`set_budget`)
-    stats: Stats = field(default_factory=Stats)
-    dcache: DraftCache | None = None         # the drafter's context (None: no drafting)
-    history: list[int] = field(default_factory=list)  # prompt + emitted tokens (ends with the root)
-    tokens: list[int] = field(default_factory=list)   # emitted tokens
-    start: int = 0                           # position of the root = tokens in the target's cache
-    ready: torch.Tensor | None = None        # this step's drafter states [d+1, H] (`draft_blocks`)
-    t_start: float = 0.0
-    filled: int = 0                          # prompt tokens prefilled so far
-    error: BaseException | None = None       # what ended it (finish reason "error")
-
-    @property
-    def prefilling(self) -> bool:
-        return self.filled < len(self.prompt)
-
-    @property
-    def drafter(self) -> Drafter | None:
-        return self.proposer.drafter if self.dcache is not None else None
-
 
 class Rows:
     """Rows off..off+n-1 of a step's logits, indexed by node (what `accept` reads)."""
@@ -92,62 +62,6 @@ class Rows:
 
 
 # ---------------------------------------------------------------- pure pieces of a step
-def block_ids(drafter: Drafter, root: int, depth: int, device) -> torch.Tensor:
-    """[depth+1] long: the block [root, MASK x depth]."""
-    ids = torch.full((depth + 1,), drafter.config.mask_token_id, dtype=torch.long, device=device)
-    ids[0] = root
-    return ids
-
-
-def owner_mask(rows: list[int], cols: list[int], device) -> torch.Tensor:
-    """Row i of job a may see column j of job b iff a == b. rows [J], cols [J]: rows / columns per
-    job (job order) -> [sum rows, sum cols] bool (block diagonal)."""
-    jobs = torch.arange(len(rows), device=device)
-    r = jobs.repeat_interleave(torch.tensor(rows, device=device))  # [R]
-    c = jobs.repeat_interleave(torch.tensor(cols, device=device))  # [C]
-    return r[:, None] == c[None, :]
-
-
-def block_mask(ctx: list[int], blk: list[int], device) -> torch.Tensor:
-    """Context lengths [J], block lengths [J] -> [Q, C+Q] bool (keys: every job's context, then
-    every job's block): a block row of job j sees job j's context and job j's block only."""
-    return torch.cat([owner_mask(blk, ctx, device), owner_mask(blk, blk, device)], 1)
-
-
-@torch.no_grad()
-def draft_blocks(drafter: Drafter, embed, jobs: list[tuple[DraftCache, int, int, int]]) -> list[torch.Tensor]:
-    """jobs [(draft cache, root, start, depth)] -> per job the pre-norm states h [depth+1, H] of its
-    block [root, MASK x depth] at positions start.., from ONE drafter pass over all blocks."""
-    dev = embed.weight.device
-    if len(jobs) == 1:  # the bs=1 pass (compiled where the drafter is)
-        cache, root, start, d = jobs[0]
-        return [drafter.draft(cache, embed(block_ids(drafter, root, d, dev)), start)]
-    assert all(c.pending is None for c, *_ in jobs), "batched contexts are extended eagerly"
-    ids = torch.cat([block_ids(drafter, root, d, dev) for _, root, _, d in jobs])     # [Q]
-    pos = torch.cat([torch.arange(s, s + d + 1, device=dev) for _, _, s, d in jobs])  # [Q]
-    kv = [(torch.cat([c.k[i] for c, *_ in jobs], 1), torch.cat([c.v[i] for c, *_ in jobs], 1))
-          for i in range(len(drafter.model.layers))]                                  # per layer [nkv, C, hd]
-    ctx, blk = [c.k[0].shape[1] for c, *_ in jobs], [d + 1 for *_, d in jobs]
-    h = drafter.forward_block(embed(ids), pos, kv, block_mask(ctx, blk, dev))        # [Q, H]
-    return list(h.split(blk))
-
-
-@torch.no_grad()
-def extend_contexts(drafter: Drafter, items: list[tuple[DraftCache, torch.Tensor, torch.Tensor]]) -> None:
-    """items [(draft cache, feats [K, taps*H], positions [K])]: each cache's context grows by its
-    rows; the keys / values of all of them come from one pass."""
-    if len(items) == 1:
-        drafter.extend(*items[0])
-        return
-    sizes = [len(p) for _, _, p in items]
-    kv = drafter.context_kv(torch.cat([f for _, f, _ in items]), torch.cat([p for _, _, p in items]))
-    for i, (k, v) in enumerate(kv):  # [nkv, sum K, hd]
-        for (cache, _, _), kj, vj in zip(items, k.split(sizes, 1), v.split(sizes, 1)):
-            cache.append(i, kj, vj)
-    for (cache, _, _), n in zip(items, sizes):
-        cache.length += n
-
-
 def pack(trees: list[Tree], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Trees and their roots' positions -> ids [N], positions [N] (start + depth), rows per tree."""
     ids = torch.cat([t.tokens for t in trees])                             # [N]
@@ -162,11 +76,6 @@ def offsets(parts: list[tuple[object, int]]) -> list[int]:
         out.append(o)
         o += n
     return out
-
-
-def max_depth(seq: Seq, limit: int) -> int:
-    """How deep a sequence's tree may go: the tokens still wanted and the context window (bs=1's rule)."""
-    return min(seq.max_new_tokens - seq.stats.new_tokens - 1, limit - seq.start - 2)
 
 
 # ---------------------------------------------------------------- the decoder
@@ -192,9 +101,9 @@ class BatchDecoder:
         self.runner: FastPath = target.runner
         self.limit = target.max_length
         self.cache = BatchCache.for_runner(self.runner, capacity, page_size) if capacity else None
-        self.waiting: deque[Seq] = deque()
-        self.running: dict[int, Seq] = {}
-        self.finished: dict[int, Seq] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+        self.finished: dict[int, Sequence] = {}
         self._next_id = 0
 
     def warm(self, rows: int) -> None:
@@ -204,33 +113,21 @@ class BatchDecoder:
 
     # ---- requests ----
     def add(self, prompt_ids: list[int], config: GenerationConfig | None = None, *,
-            proposer: Proposer | None = None, stop_ids: set[int] | None = None) -> int:
+            proposer: Proposer | None = None, stop_ids: set[int] | None = None, text=None) -> int:
         """Queue a request; returns its id. `config` gives the method (unless `proposer` is given),
-        sampling, max_new_tokens, seed and ignore_eos; `stop_ids` overrides the target's."""
+        sampling, max_new_tokens, seed and ignore_eos; `stop_ids` overrides the target's; `text` (a
+        `TextAssembler`, optional) is fed its tokens, and its stop strings end it."""
         cfg = config or GenerationConfig()
         vocab = self.target.vocab_rows
-        if not prompt_ids:
-            raise TreeflashError("empty prompt: a request needs at least one token")
-        if len(prompt_ids) >= self.limit:
-            raise TreeflashError(f"prompt has {len(prompt_ids)} tokens; the context window is {self.limit}")
-        if cfg.max_new_tokens < 1:
-            raise TreeflashError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
         if proposer is None:
             proposer = make_proposer(cfg.method, self.drafter, self.target.embed, self.target.drafting_head,
                                      cfg.tree(vocab))
         if stop_ids is None:
             stop_ids = set() if cfg.ignore_eos else self.target.stop_ids()
-        budget = proposer.params.budget
-        need = min(self.limit, len(prompt_ids) + cfg.max_new_tokens) + budget
-        if self.cache is not None and self.cache.pages_for(need) * self.page_size > self.cache.capacity:
-            raise TreeflashError(f"a request of up to {need} tokens exceeds the pool ({self.cache.capacity} slots)")
-        seq = Seq(self._next_id, list(prompt_ids), proposer, cfg.sampling(vocab), cfg.max_new_tokens, set(stop_ids),
-                  torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None, need, budget)
-        if proposer.drafter is not None and budget >= 2:  # bs=1: budget 1 does no drafter work at all
-            seq.dcache = DraftCache(len(proposer.drafter.model.layers))
-            proposer.draft_states = _from_batch(seq)  # the batch drafts every block in one pass
-        proposer.timings = {"draft": 0.0, "tree": 0.0}
-        seq.stats.prompt_tokens = len(prompt_ids)
+        seq = Sequence.new(prompt_ids, proposer, cfg.sampling(vocab), cfg.max_new_tokens, stop_ids, self.limit,
+                           Stats(), cfg.seed, text, id=self._next_id)
+        if self.cache is not None and self.cache.pages_for(seq.reserved) * self.page_size > self.cache.capacity:
+            raise TreeflashError(f"a request of up to {seq.reserved} tokens exceeds the pool ({self.cache.capacity} slots)")
         self._next_id += 1
         self.waiting.append(seq)
         return seq.id
@@ -240,7 +137,7 @@ class BatchDecoder:
         for s in self.waiting:
             if s.id == seq_id:
                 self.waiting.remove(s)
-                s.stats.finish_reason = reason
+                s.finish(reason)
                 self.finished[seq_id] = s
                 return
         if seq_id in self.running:
@@ -278,7 +175,7 @@ class BatchDecoder:
             self._prefill(chunks, out)
         return out
 
-    def _chunks(self, seqs: list[Seq]) -> list[tuple[Seq, int]]:
+    def _chunks(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
         """(sequence, prompt tokens to prefill now), first admitted first, within `prefill_chunk`."""
         left = self.prefill_chunk if self.prefill_chunk is not None else sum(len(s.prompt) for s in seqs)
         chunks = []
@@ -290,15 +187,15 @@ class BatchDecoder:
             left -= n
         return chunks
 
-    def _admit(self) -> list[Seq]:
+    def _admit(self) -> list[Sequence]:
         """Waiting requests join, first come first served, while their reservations fit the pool."""
         if self.cache is None:
-            need = sum(round_up(s.need, self.page_size) for s in self.waiting)
+            need = sum(round_up(s.reserved, self.page_size) for s in self.waiting)
             self.cache = BatchCache.for_runner(self.runner, max(need, self.page_size), self.page_size)
         new = []
-        while self.waiting and self.cache.fits(self.waiting[0].need):
+        while self.waiting and self.cache.fits(self.waiting[0].reserved):
             s = self.waiting.popleft()
-            self.cache.add(s.id, s.need)
+            self.cache.add(s.id, s.reserved)
             s.t_start = time.perf_counter()
             self.running[s.id] = s
             new.append(s)
@@ -318,17 +215,17 @@ class BatchDecoder:
         return slots, self.cache.step_mask(parts, slots, width)
 
     # ---- fault isolation ----
-    def _each(self, seqs: list[Seq], fn) -> list[tuple[Seq, object]]:
+    def _each(self, seqs: list[Sequence], fn) -> list[tuple[Sequence, object]]:
         """[(seq, fn(seq))] for the sequences whose fn returned; one that raises ends alone."""
         done = []
         for s in seqs:
             try:
                 done.append((s, fn(s)))
-            except Exception as e:  # noqa: BLE001  (its request's error: `Seq.error`)
+            except Exception as e:  # noqa: BLE001  (its request's error: `Sequence.error`)
                 self._fail(s, e)
         return done
 
-    def _shared(self, seqs: list[Seq], fn) -> dict[int, object]:
+    def _shared(self, seqs: list[Sequence], fn) -> dict[int, object]:
         """fn(seqs) -> {seq id: result}: one pass for all of them; if it raises, once more for
         each sequence alone (those that raise again end alone)."""
         try:
@@ -337,21 +234,18 @@ class BatchDecoder:
             return {s.id: r for s, r in self._each(seqs, lambda s: fn([s])[s.id])}
 
     def fail(self, seq_id: int, error: BaseException) -> None:
-        """End a running request for a fault of its own (finish reason "error", `Seq.error`); a
+        """End a running request for a fault of its own (finish reason "error", `Sequence.error`); a
         request that has just finished keeps its tokens but is marked failed too."""
         s = self.running.get(seq_id) or self.finished.get(seq_id)
         if s is not None:
             self._fail(s, error)
 
-    def _fail(self, s: Seq, error: BaseException) -> None:
-        s.error = s.error or error
-        if s.id in self.running:
-            self._finish(s, "error")
-        else:
-            s.stats.finish_reason = "error"
+    def _fail(self, s: Sequence, error: BaseException) -> None:
+        s.fail(error)
+        self._release(s)
 
     # ---- prefill ----
-    def _prefill(self, chunks: list[tuple[Seq, int]], out: dict) -> None:
+    def _prefill(self, chunks: list[tuple[Sequence, int]], out: dict) -> None:
         """One forward over the next chunk of each prompt (positions filled..filled+n-1); a prompt
         prefilled to its end emits its first token."""
         t0 = time.perf_counter()
@@ -360,7 +254,7 @@ class BatchDecoder:
         self.cache.compact({sid: torch.arange(sizes[sid]) for sid in rows})
         self._each([s for s, _ in chunks if s.id in rows], lambda s: self._prefilled(s, *rows[s.id], t0, out))
 
-    def _prefill_rows(self, chunks: list[tuple[Seq, int]]) -> dict[int, tuple]:
+    def _prefill_rows(self, chunks: list[tuple[Sequence, int]]) -> dict[int, tuple]:
         """The prompt chunks' forward -> {seq id: (its logits rows, its features [n, taps*H], positions [n])}."""
         dev = self.target.device
         ids = torch.tensor([t for s, n in chunks for t in s.prompt[s.filled:s.filled + n]], device=dev)  # [N]
@@ -369,51 +263,39 @@ class BatchDecoder:
         logits, feats = self._forward(ids, pos, slots, mask, flat=True)
         return {s.id: (Rows(logits, o, n), feats[o:o + n], pos[o:o + n]) for (s, n), o in zip(chunks, offsets(chunks))}
 
-    def _prefilled(self, s: Seq, logits: "Rows", feats: torch.Tensor, pos: torch.Tensor, t0: float, out: dict) -> None:
+    def _prefilled(self, s: Sequence, logits: "Rows", feats: torch.Tensor, pos: torch.Tensor, t0: float, out: dict) -> None:
         if s.dcache is not None:
             s.drafter.extend(s.dcache, feats, pos)
         s.filled += len(logits)
         s.stats.prefill_s += time.perf_counter() - t0
         if not s.prefilling:
-            root = choose(logits[len(logits) - 1], s.sampling, s.gen)
-            s.start, s.history = s.filled, list(s.prompt)
-            out[s.id] = self._emit(s, [root])
+            out[s.id] = list(s.first(choose(logits[len(logits) - 1], s.sampling, s.gen)))
+            self._release(s)
 
     # ---- decode ----
-    def _decode(self, seqs: list[Seq], out: dict) -> None:
+    def _decode(self, seqs: list[Sequence], out: dict) -> None:
+        """One step of the decoding sequences: draft -> propose -> verify -> accept -> commit."""
         t0 = time.perf_counter()
-        depths = {s.id: max_depth(s, self.limit) for s in seqs}
-        ready = self._shared(seqs, lambda group: self._draft(group, depths))
+        ready = self._shared(seqs, self._draft)
         t_draft = time.perf_counter() - t0
-        trees = {s.id: t for s, t in self._each([s for s in seqs if s.id in ready],
-                                                 lambda s: self._propose(s, ready[s.id], depths[s.id]))}
+        trees = dict(self._each([s for s in seqs if s.id in ready], lambda s: s.propose(ready[s.id])))
         t1 = time.perf_counter()
-        seqs = [s for s in seqs if s.id in trees]
-        rows = self._shared(seqs, lambda group: self._verify_rows([(s, trees[s.id]) for s in group]))
-        accs = {s.id: a for s, a in self._each([s for s in seqs if s.id in rows],
-                                                lambda s: accept(trees[s.id], rows[s.id][0], s.sampling, s.gen))}
-        keeps = {i: torch.tensor(a.path, device=self.target.device) for i, a in accs.items()}
+        seqs = [s for s in seqs if s in trees]
+        rows = self._shared(seqs, lambda group: self._verify_rows([(s, trees[s]) for s in group]))
+        accs = dict(self._each([s for s in seqs if s.id in rows],
+                               lambda s: accept(trees[s], rows[s.id][0], s.sampling, s.gen)))
+        keeps = {s.id: torch.tensor(a.path, device=self.target.device) for s, a in accs.items()}  # [K] each
         self.cache.compact(keeps)
-        seqs = [s for s in seqs if s.id in accs]
-        feats = {i: rows[i][1][keep] for i, keep in keeps.items()}  # the accepted rows' features
+        seqs = [s for s in seqs if s in accs]
+        feats = {i: rows[i][1][keep] for i, keep in keeps.items()}  # the accepted rows' features [K, taps*H]
         grown = self._shared(seqs, lambda group: self._commit_contexts(group, feats))
         t_verify = time.perf_counter() - t1
-        self._each([s for s in seqs if s.id in grown],
-                   lambda s: self._advance(s, len(trees[s.id]), accs[s.id], t_draft, t_verify, out))
+        for s, toks in self._each([s for s in seqs if s.id in grown],
+                                  lambda s: list(s.advance(trees[s], accs[s], t_draft, t_verify))):
+            out[s.id] = toks
+            self._release(s)
 
-    def _advance(self, s: Seq, size: int, a, t_draft: float, t_verify: float, out: dict) -> None:
-        """A sequence's step is verified and committed: its stats, its position, its tokens."""
-        s.stats.draft_s += t_draft
-        s.stats.verify_s += t_verify
-        s.stats.record(len(a.accepted), size, a.path)
-        s.start += len(a.path)
-        out[s.id] = self._emit(s, a.accepted + [a.bonus])
-
-    def _propose(self, s: Seq, ready: torch.Tensor | None, depth: int) -> Tree:
-        s.ready = ready
-        return s.proposer.propose(s.dcache, s.history[-1], s.start, depth, s.history)
-
-    def _verify_rows(self, parts: list[tuple[Seq, Tree]]) -> dict[int, tuple]:
+    def _verify_rows(self, parts: list[tuple[Sequence, Tree]]) -> dict[int, tuple]:
         """ONE target forward over the trees -> {seq id: (its logits rows, its features [n, taps*H])}."""
         dev = self.target.device
         ids, pos, _ = pack([t for _, t in parts], [s.start for s, _ in parts])
@@ -422,84 +304,50 @@ class BatchDecoder:
         sizes = [(s, len(t)) for s, t in parts]
         return {s.id: (Rows(logits, o, n), feats[o:o + n]) for (s, n), o in zip(sizes, offsets(sizes))}
 
-    def _draft(self, seqs: list[Seq], depths: dict[int, int]) -> dict[int, torch.Tensor | None]:
-        """{seq id: its block's drafter states [d+1, H], or None (not drafting)}: one drafter pass
-        per drafter (normally one)."""
+    def _draft(self, seqs: list[Sequence]) -> dict[int, torch.Tensor | None]:
+        """{seq id: its block's drafter states [d+1, H], or None (no drafter pass)}: one drafter
+        pass per drafter (normally one)."""
         ready: dict[int, torch.Tensor | None] = {s.id: None for s in seqs}
-        groups: dict[int, list[tuple[Seq, int]]] = {}
-        for s in seqs:
-            d = s.proposer.block_depth(depths[s.id]) if s.dcache is not None else 0
-            if d >= 1:
-                groups.setdefault(id(s.drafter), []).append((s, d))
-        for group in groups.values():
-            drafter, embed = group[0][0].drafter, group[0][0].proposer.embed
-            states = draft_blocks(drafter, embed, [(s.dcache, s.history[-1], s.start, d) for s, d in group])
+        for group in self._by_drafter([(s, s.block_depth()) for s in seqs]):
+            states = draft_blocks(group[0][0].drafter, group[0][0].proposer.embed, [s.draft_job(d) for s, d in group])
             ready.update({s.id: h for (s, _), h in zip(group, states)})
         return ready
 
-    def _commit_contexts(self, seqs: list[Seq], feats: dict[int, torch.Tensor]) -> dict[int, bool]:
+    def _commit_contexts(self, seqs: list[Sequence], feats: dict[int, torch.Tensor]) -> dict[int, bool]:
         """The drafter contexts grow by the accepted rows' features, one pass per drafter."""
-        groups: dict[int, list] = {}
-        for s in seqs:
-            if s.dcache is not None:
-                f = feats[s.id]  # [K, taps*H]
-                item = (s.dcache, f, s.start + torch.arange(len(f), device=f.device))
-                groups.setdefault(id(s.drafter), [s.drafter]).append(item)
-        for drafter, *items in groups.values():
-            extend_contexts(drafter, items)
+        for group in self._by_drafter([(s, len(feats[s.id])) for s in seqs]):
+            extend_contexts(group[0][0].drafter, [s.context_rows(feats[s.id]) for s, _ in group])
         return {s.id: True for s in seqs}
 
-    def _emit(self, s: Seq, toks: list[int]) -> list[int]:
-        """Emit tokens with the bs=1 rules: a stop token ends the sequence (emitted); after them,
-        max_new_tokens or a full context window ends it."""
-        new = []
-        for tok in toks:
-            s.stats.new_tokens += 1
-            s.history.append(tok)
-            s.tokens.append(tok)
-            new.append(tok)
-            if tok in s.stop_ids:
-                self._finish(s, "stop")
-                return new
-        if s.stats.new_tokens >= s.max_new_tokens or s.start + 1 >= self.limit:
-            self._finish(s, "length")
-        return new
+    @staticmethod
+    def _by_drafter(items: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
+        """[(seq, n)] of drafting sequences with n >= 1, grouped by their drafter."""
+        groups: dict[int, list] = {}
+        for s, n in items:
+            if s.dcache is not None and n >= 1:
+                groups.setdefault(id(s.drafter), []).append((s, n))
+        return list(groups.values())
 
-    def _finish(self, s: Seq, reason: str) -> None:
-        s.stats.finish_reason = reason
-        s.stats.draft_s += s.proposer.timings["draft"]
-        s.stats.tree_s += s.proposer.timings["tree"]
-        s.stats.total_s = time.perf_counter() - s.t_start
-        self.cache.free(s.id)
-        del self.running[s.id]
-        self.finished[s.id] = s
+    def _finish(self, s: Sequence, reason: str) -> None:
+        s.finish(reason)
+        self._release(s)
+
+    def _release(self, s: Sequence) -> None:
+        """A sequence that has ended gives its slots back and moves to `finished`."""
+        if s.done and self.running.get(s.id) is s:
+            self.cache.free(s.id)
+            del self.running[s.id]
+            self.finished[s.id] = s
 
     # ---- a whole batch ----
-    def run(self, seq_ids: list[int], texts: list | None = None) -> list[tuple[list[int], Stats]]:
-        """Step until these sequences end; texts[i] (a `TextAssembler`, optional) reads sequence
-        seq_ids[i]'s tokens and ends it at a stop string. Returns per sequence (token ids, up to
-        the one completing a stop string, and stats)."""
-        readers = dict(zip(seq_ids, texts or [None] * len(seq_ids)))
+    def run(self, seq_ids: list[int]) -> list[tuple[list[int], Stats]]:
+        """Step until these sequences end. Returns per sequence (token ids, up to the one that
+        ended it, and stats)."""
         ids: dict[int, list[int]] = {i: [] for i in seq_ids}
         while any(i not in self.finished for i in seq_ids):
             for i, toks in self.step().items():
-                for t in toks if i in ids else ():
-                    ids[i].append(t)
-                    if readers[i] is not None:
-                        readers[i].add(t)
-                        if readers[i].stopped:
-                            self.cancel(i, "stop")
-                            break
+                ids.get(i, []).extend(toks)
         for i in seq_ids:  # the others ran to their end; a library caller sees the fault
             if self.finished[i].error is not None:
                 raise self.finished[i].error
         return [(ids[i], self.finished[i].stats) for i in seq_ids]
-
-
-def _from_batch(seq: Seq):
-    """A proposer's `draft_states` that returns its sequence's rows of the batch's drafter pass."""
-    def draft_states(cache, root_token: int, start: int, depth: int) -> torch.Tensor:
-        h, seq.ready = seq.ready, None
-        assert h is not None and h.shape[0] == depth + 1 and start == seq.start, "the batch drafts every block first"
-        return h
-    return draft_states

@@ -1,6 +1,10 @@
-"""Drafting methods behind one interface: `propose(state, root_token, start, max_depth, history) -> Tree`.
+"""Drafting methods behind one interface: `propose(root_token, start, max_depth, history, states) -> Tree`.
 
-Every method runs at most one drafter forward per step; `vanilla` proposes the root alone. A method
+A proposer says what it needs: `rows(budget)`, the most tree rows it verifies at a budget (the
+KV reservation past the tokens and the warm-up follow from it), `drafts` (whether it keeps a
+drafter context), and `block_depth`, the masks of a step's drafter pass; the decoding loop runs
+that pass (at most one per step) and hands its states to `propose`. `vanilla` proposes the root
+alone. A method
 `NAME+lookup` adds lookup branches (decoding/lookup.py: continuations copied from the prompt and
 the output) to NAME's tree under the same budget; `lookup` alone needs no drafter.
 """
@@ -24,6 +28,13 @@ def root_only(root_token: int) -> Tree:
     return Tree(torch.tensor([root_token]), torch.tensor([-1]), torch.tensor([0]))
 
 
+def block_ids(drafter: Drafter, root: int, depth: int, device) -> torch.Tensor:
+    """[depth+1] long: a step's drafter block [root, MASK x depth]."""
+    ids = torch.full((depth + 1,), drafter.config.mask_token_id, dtype=torch.long, device=device)
+    ids[0] = root
+    return ids
+
+
 class Proposer:
     """Turns one drafter block pass (and, with lookup, the lookup trie) into a tree: `draft`
     (drafter forward + heads -> tables), `lookup_branches`, then `build` (pure tree construction).
@@ -41,19 +52,31 @@ class Proposer:
         self.scores = scores if scores is not None or lookup is None else LookupScores.load()
         self.timings = {"draft": 0.0, "tree": 0.0}
 
-    def propose(self, cache: DraftCache | None, root_token: int, start: int, max_depth: int,
-                history: list[int] | None = None) -> Tree:
+    @classmethod
+    def rows(cls, budget: int) -> int:
+        """The most tree rows one step verifies at `budget`: what a sequence reserves in the KV
+        cache past its tokens, and what the warm-up compiles."""
+        return max(1, budget)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether a sequence keeps a drafter context: a drafter, and a budget of 2 or more (a
+        budget of 1 is plain decoding: no drafter work at all, not even its context update)."""
+        return self.drafter is not None and self.params.budget >= 2
+
+    def propose(self, root_token: int, start: int, max_depth: int, history: list[int] | None = None,
+                states: torch.Tensor | None = None) -> Tree:
         """Tree rooted at `root_token` (position `start`), at most `max_depth` deep; `history`: the
-        committed tokens, prompt first, ending with the root (read by lookup methods)."""
+        committed tokens, prompt first, ending with the root (read by lookup methods); `states`: the
+        drafter's pre-norm states [d+1, H] of this step's block [root, MASK x d], d =
+        `block_depth(max_depth)` (None: no drafter pass this step)."""
         if self.params.budget < 2:
             return root_only(root_token)
         t0 = time.perf_counter()
-        depth = self.block_depth(max_depth)
         tables = None
-        if depth >= 1:
-            h = self.draft_states(cache, root_token, start, depth)  # [depth+1, H]
+        if states is not None and len(states) >= 2:
             # a tree of `budget` nodes is at most budget-1 deep: the heads need no deeper positions
-            tables = self.heads(h[: min(depth, self.params.budget - 1) + 1], root_token)
+            tables = self.heads(states[: min(len(states) - 1, self.params.budget - 1) + 1], root_token)
         t1 = time.perf_counter()
         branches = self.lookup_branches(history, max_depth) if self.index is not None else None
         tree = self.build(root_token, tables, branches)
@@ -62,12 +85,12 @@ class Proposer:
         return tree
 
     def block_depth(self, max_depth: int) -> int:
-        """Mask rows of this step's block pass: as deep as the tree reaches (a tree of `budget`
-        nodes is at most budget-1 deep) or `block_len`-1, within the drafter's block and
+        """Mask rows of this step's block pass (0: no pass): as deep as the tree reaches (a tree of
+        `budget` nodes is at most budget-1 deep) or `block_len`-1, within the drafter's block and
         `max_depth`. The masks beyond the tree's reach only change what the others attend to (the
         drafter attends bidirectionally inside its block), so dropping them is cheaper and still
         lossless; the drafter was trained on full blocks, so tau can move a little."""
-        if self.drafter is None:
+        if not self.drafts:
             return 0
         rows = self.params.block_len or self.params.budget
         return max(0, min(max_depth, self.drafter.block_size - 1, rows - 1))
@@ -81,9 +104,7 @@ class Proposer:
 
     def draft_states(self, cache: DraftCache, root_token: int, start: int, depth: int) -> torch.Tensor:
         """One drafter pass over [root, MASK x depth] -> pre-norm states h [depth+1, H]."""
-        ids = torch.full((depth + 1,), self.drafter.config.mask_token_id, dtype=torch.long,
-                         device=self.embed.weight.device)
-        ids[0] = root_token
+        ids = block_ids(self.drafter, root_token, depth, self.embed.weight.device)
         return self.drafter.draft(cache, self.embed(ids), start)
 
     def marginal_logp(self, h: torch.Tensor) -> torch.Tensor:
@@ -104,7 +125,13 @@ class Proposer:
 
 
 class Vanilla(Proposer):
+    """Plain decoding: the proposer that verifies the root alone, whatever the budget."""
+
     name = "vanilla"
+
+    @classmethod
+    def rows(cls, budget: int) -> int:
+        return 1
 
     def __init__(self, drafter, embed, lm_head, params, lookup=None, scores=None):
         super().__init__(None, embed, lm_head, params)
@@ -195,6 +222,12 @@ class TreeFlash(Proposer):
 
 
 PROPOSERS = {p.name: p for p in (Vanilla, Lookup, Chain, Marginal, TreeFlash)}
+
+
+def verify_rows(method: str, budget: int) -> int:
+    """The most tree rows a step of `method` verifies at `budget` (`Proposer.rows`), before any
+    proposer is built (a server sizing its pool and warm-up)."""
+    return PROPOSERS[method.partition("+")[0]].rows(budget)
 
 
 def make_proposer(method: str, drafter, embed, lm_head, params: TreeParams,

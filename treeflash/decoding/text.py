@@ -1,6 +1,7 @@
 """Token ids -> text, for streaming: stop tokens hidden, incomplete UTF-8 and possible stop-string
-starts held back. `pieces` is the one loop from a generation's tokens to its text: the engine's
-`stream`/`generate` and the server's worker all run it."""
+starts held back. The decoding sequence feeds each token it emits (`feed`: a stop string ends it
+there, `sequence.Sequence.emit`); readers take the text (`take`). `pieces` is the one loop from a
+generation's tokens to its text: the engine's `stream`/`generate` and the server's worker run it."""
 from __future__ import annotations
 
 from typing import Callable, Iterator
@@ -8,9 +9,10 @@ from typing import Callable, Iterator
 
 def pieces(tokens: Iterator[int], text: "TextAssembler", ids: list[int] | None = None,
            on_token: Callable[[int], bool] | None = None) -> Iterator[str]:
-    """Text pieces of the generation `tokens` (a generator, e.g. `Engine.tokens`), through `text`.
-    `ids` (if given) receives every token id, stop tokens too. `on_token(id)` (if given) runs as
-    each token arrives; False drops that token and ends the generation (the server: its client left).
+    """Text pieces of the generation `tokens` (a generator decoding with `text`, e.g.
+    `Engine.tokens(..., text=text)`: it feeds `text` every token), taken from `text` as each token
+    arrives. `ids` (if given) receives every token id, stop tokens too. `on_token(id)` (if given)
+    runs as each token arrives; False drops that token and ends the generation (the server: its client left).
     Decoding stops (`tokens.close()`) at a stop string, at such an end, or when this generator is
     closed; the held-back tail comes last."""
     try:
@@ -19,7 +21,7 @@ def pieces(tokens: Iterator[int], text: "TextAssembler", ids: list[int] | None =
                 break
             if ids is not None:
                 ids.append(t)
-            piece = text.add(t)
+            piece = text.take()
             if piece:
                 yield piece
             if text.stopped:
@@ -42,6 +44,17 @@ class TextAssembler:
         self.sent = ""   # the prefix of `text` already handed out
         self.stopped = False
         self.cut = 0     # where the first stop string starts in `text`, once `stopped`
+        self.ready = ""  # text fed but not yet taken
+
+    def feed(self, token: int) -> bool:
+        """Add a token's text for `take`; True once a stop string has appeared (it ends there)."""
+        self.ready += self.add(token)
+        return self.stopped
+
+    def take(self) -> str:
+        """The text fed since the last take (maybe "")."""
+        piece, self.ready = self.ready, ""
+        return piece
 
     def add(self, token: int) -> str:
         """Returns the new text to send (maybe ""); sets `stopped` when a stop string appears."""

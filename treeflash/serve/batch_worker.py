@@ -4,10 +4,10 @@ Requests wait in a FIFO queue (`--max-queue` bounds it: 429 beyond). Before each
 moves waiting requests into the decoder while fewer than N run, so a request joins the running
 batch at the next step (its prompt is prefilled from that step on, `--prefill-chunk` prompt tokens
 per step for all newcomers together) and leaves when it ends: a stop
-token, max_tokens, a stop string in its text (its own `TextAssembler`; the sequence is cancelled)
+token, max_tokens, a stop string in its text (its own `TextAssembler`, fed by its sequence)
 or its client leaving (cancelled before the next step: its pool slots go back at once). Each
-sequence's new tokens become text events of its `Job`, as `worker.Worker` streams them; `Job`,
-`Done` and the metrics are that module's. The KV pool holds N worst-case requests
+sequence's new tokens become text events of its `Job`, as `worker.Worker` streams them (`Job`
+and `Done`: `jobs`). The KV pool holds N worst-case requests
 (`pool_slots`), so admission never waits for slots. With --tree-size auto each running
 sequence's tree budget follows the load every step (`costmodel.adaptive_budget` over the
 sequences past their prefill: the bs=1 best at batch 1, down to plain decoding as the batch
@@ -27,6 +27,7 @@ from jinja2 import TemplateError
 
 from ..decoding import costmodel
 from ..decoding.batch import BatchDecoder
+from ..decoding.proposers import verify_rows
 from ..decoding.stats import Stats
 from ..decoding.text import TextAssembler
 from ..errors import TreeflashError
@@ -52,11 +53,11 @@ def check_batchable(engine, max_batch: int) -> None:
                              f"compiled-cpp, or --max-batch 1")
 
 
-def pool_slots(max_length: int, config: ServeConfig, budget: int, page_size: int = PAGE_SIZE) -> int:
+def pool_slots(max_length: int, config: ServeConfig, rows: int, page_size: int = PAGE_SIZE) -> int:
     """KV pool slots for `max_batch` requests at their worst case: the longest prompt allowed plus
-    max_tokens_limit (within the context window) plus one tree, each rounded up to whole pages."""
+    max_tokens_limit (within the context window) plus one tree's `rows`, each rounded up to whole pages."""
     prompt = min(config.max_prompt_tokens or max_length, max_length - 1)
-    need = min(max_length, prompt + config.max_tokens_limit) + budget
+    need = min(max_length, prompt + config.max_tokens_limit) + rows
     return config.max_batch * round_up(need, page_size)
 
 
@@ -78,10 +79,10 @@ class BatchWorker(Worker):
         self.thread = threading.Thread(target=self._loop, name="treeflash-batch-worker", daemon=True)
         check_batchable(engine, config.max_batch)
         self.budget = config.generation.tree_size if isinstance(config.generation.tree_size, int) else 1
-        self.capacity = pool_slots(engine.target.max_length, config, self.budget)
+        self.rows = verify_rows(config.generation.method, self.budget)  # a tree's rows (plain decoding: the root)
+        self.capacity = pool_slots(engine.target.max_length, config, self.rows)
         self.decoder = self._new_decoder()
-        # compiled backends: every batch's tree forward now (plain decoding verifies roots alone)
-        self.decoder.warm(config.max_batch * (1 if config.generation.method == "vanilla" else self.budget))
+        self.decoder.warm(config.max_batch * self.rows)  # compiled backends: every batch's tree forward now
         self.active: dict[int, Active] = {}
         self.peak = 0            # most sequences decoded together so far (tests, logs)
         self._budgets: dict[int, int] = {}
@@ -146,7 +147,8 @@ class BatchWorker(Worker):
         try:
             ids = self._encode(job)
             _, _, proposer = self.engine.prepare(ids, job.config, chat=False)
-            sid = self.decoder.add(ids, job.config, proposer=proposer)
+            text = self.engine.assembler(job.config)
+            sid = self.decoder.add(ids, job.config, proposer=proposer, text=text)
         except ApiError as e:
             job.emit("error", e)
             return False
@@ -156,7 +158,7 @@ class BatchWorker(Worker):
         except TemplateError as e:
             job.emit("error", ApiError(400, f"the chat template rejects these messages: {e}", param=job.param))
             return False
-        self.active[sid] = Active(job, self.engine.assembler(job.config), len(ids))
+        self.active[sid] = Active(job, text, len(ids))
         return True
 
     def _drop_cancelled(self) -> None:
@@ -171,7 +173,7 @@ class BatchWorker(Worker):
         model's choice, checked against measured steps by the tuner). Returns (batch size, budget)
         when the step will only decode, so that its speed can be recorded; else None."""
         choice = self.config.auto_budget
-        if choice is None or self.budget < 2:
+        if choice is None or self.rows < 2:  # a fixed tree size, or trees of the root alone
             return None
         # rows in the tree forward come from decoding sequences; prompts being prefilled run apart
         decoding = sum(not s.prefilling for s in self.decoder.running.values())
@@ -187,8 +189,9 @@ class BatchWorker(Worker):
         return (n, budget) if only_decodes else None
 
     def _deliver(self, sid: int, toks) -> None:
-        """A sequence's new tokens become its text events; it ends when the decoder ended it. A
-        fault here (its text pieces, its stop strings) ends this request alone."""
+        """A sequence's new tokens become its text events (its text was fed by the decoder, which
+        ended it at a stop string); it ends when the decoder ended it. A fault here ends this
+        request alone."""
         try:
             self._emit_text(sid, toks)
         except Exception as e:  # noqa: BLE001  (this request's fault: the others go on)
@@ -198,18 +201,14 @@ class BatchWorker(Worker):
 
     def _emit_text(self, sid: int, toks) -> None:
         a = self.active[sid]
-        for t in toks:
-            if a.job.cancelled.is_set():
-                break
-            a.n += 1
-            if a.n == 1:
-                self.metrics.observe_ttft(time.perf_counter() - a.job.arrived)
-            piece = a.text.add(t)
-            if piece:
-                a.job.emit("text", piece)
-            if a.text.stopped:
-                self.decoder.cancel(sid, "stop")
-                break
+        if not toks or a.job.cancelled.is_set():
+            return
+        if a.n == 0:
+            self.metrics.observe_ttft(time.perf_counter() - a.job.arrived)
+        a.n += len(toks)
+        piece = a.text.take()
+        if piece:
+            a.job.emit("text", piece)
 
     def _finish(self, sid: int, aborted: bool) -> None:
         a = self.active.pop(sid)

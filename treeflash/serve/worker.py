@@ -137,6 +137,7 @@ class Worker:
                 self.metrics.observe_ttft(time.perf_counter() - job.arrived)
             return True
 
-        for piece in pieces(self.engine.tokens(ids, job.config, chat=False, stats=stats), text, on_token=on_token):
+        for piece in pieces(self.engine.tokens(ids, job.config, chat=False, stats=stats, text=text), text,
+                            on_token=on_token):
             job.emit("text", piece)
         return ("abort" if aborted else "stop" if text.stopped else stats.finish_reason), n

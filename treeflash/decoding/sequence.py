@@ -1,0 +1,152 @@
+"""One sequence's decoding state, with every per-sequence rule written once: the single-sequence
+loop (`generate.decode`) and the batched step (`batch.BatchDecoder`) both run on it.
+
+The rules: what a request may ask (`check_request`), the KV reservation (the tokens wanted, then
+the proposer's rows of one tree), the drafter's context (kept where the proposer drafts), how deep
+a step's tree may go, emitting tokens (a stop id, a stop string, max_new_tokens and the context
+window end it) and the stats, closed once when the sequence ends (stop, length, a cancel, an error).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ..errors import TreeflashError
+from ..models.drafter import DraftCache, Drafter
+from .proposers import Proposer
+from .sampling import SamplingParams
+from .stats import Stats
+from .trees import Tree
+from .verify import Acceptance
+
+
+def check_request(prompt_ids: list[int], max_new_tokens: int, limit: int) -> None:
+    """A one-line TreeflashError for a request no sequence can decode (limit: the context window)."""
+    if not prompt_ids:
+        raise TreeflashError("empty prompt: a request needs at least one token")
+    if len(prompt_ids) >= limit:
+        raise TreeflashError(f"prompt has {len(prompt_ids)} tokens; the context window is {limit}")
+    if max_new_tokens < 1:
+        raise TreeflashError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's decoding state (`Sequence.new` checks and sets it up)."""
+
+    prompt: list[int]
+    proposer: Proposer
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_ids: set[int]
+    limit: int                               # the target's context window
+    gen: torch.Generator | None = None
+    text: object | None = None               # a `TextAssembler` fed each token: its stop strings end it
+    id: int = 0
+    stats: Stats | None = None               # the caller's
+    dcache: DraftCache | None = None         # the drafter's context (None: no drafting)
+    history: list[int] = field(default_factory=list)  # prompt + emitted tokens (ends with the root)
+    tokens: list[int] = field(default_factory=list)   # emitted tokens
+    start: int = 0                           # position of the root = tokens in the target's cache
+    filled: int = 0                          # prompt tokens prefilled so far
+    max_budget: int = 1                      # the budget its reservation allows
+    reserved: int = 0                        # worst-case target cache slots (its reservation)
+    t_start: float = 0.0
+    done: bool = False
+    error: BaseException | None = None       # what ended it (finish reason "error")
+
+    @classmethod
+    def new(cls, prompt: list[int], proposer: Proposer, sampling: SamplingParams, max_new_tokens: int,
+            stop_ids: set[int], limit: int, stats: Stats, seed: int | None = None, text=None,
+            id: int = 0) -> "Sequence":
+        """A checked sequence (`check_request`) whose `stats` (a fresh `Stats`) it fills."""
+        check_request(prompt, max_new_tokens, limit)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        s = cls(list(prompt), proposer, sampling, max_new_tokens, set(stop_ids), limit, gen, text, id, stats)
+        s.max_budget = proposer.params.budget
+        # every token wanted (within the window), then one tree's rows written past them before compaction
+        s.reserved = min(limit, len(prompt) + max_new_tokens) + proposer.rows(s.max_budget)
+        if proposer.drafts:
+            s.dcache = DraftCache(len(proposer.drafter.model.layers))
+        proposer.timings = {"draft": 0.0, "tree": 0.0}
+        s.stats.prompt_tokens = len(prompt)
+        s.t_start = time.perf_counter()
+        return s
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.proposer.drafter if self.dcache is not None else None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.filled < len(self.prompt)
+
+    def max_depth(self) -> int:
+        """How deep this step's tree may go: the tokens still wanted and the context window."""
+        return min(self.max_new_tokens - self.stats.new_tokens - 1, self.limit - self.start - 2)
+
+    def block_depth(self) -> int:
+        """Masks of this step's drafter block (0: no drafter pass)."""
+        return self.proposer.block_depth(self.max_depth()) if self.dcache is not None else 0
+
+    def draft_job(self, depth: int) -> tuple[DraftCache, int, int, int]:
+        """This step's block for `drafting.draft_blocks`: (context, root, start, depth)."""
+        return self.dcache, self.history[-1], self.start, depth
+
+    def propose(self, states: torch.Tensor | None) -> Tree:
+        """This step's tree; states [d+1, H]: the drafter's pass over its block (None: none)."""
+        return self.proposer.propose(self.history[-1], self.start, self.max_depth(), self.history, states)
+
+    def context_rows(self, feats: torch.Tensor) -> tuple[DraftCache, torch.Tensor, torch.Tensor]:
+        """The accepted (or prefilled) rows' features [K, taps*H] -> (context, feats, positions [K])
+        for `drafting.extend_contexts`; positions run from `start` (before `advance`)."""
+        return self.dcache, feats, self.start + torch.arange(len(feats), device=feats.device)
+
+    def first(self, root: int) -> Iterator[int]:
+        """The prompt is prefilled and `root` sampled from its last row: emit it."""
+        self.start, self.history = len(self.prompt), list(self.prompt)
+        return self.emit([root])
+
+    def advance(self, tree: Tree, acc: Acceptance, draft_s: float = 0.0, verify_s: float = 0.0) -> Iterator[int]:
+        """A step's tree is verified and its path committed: the stats and the position now, then
+        its tokens as they are emitted (`emit`)."""
+        self.stats.draft_s += draft_s
+        self.stats.verify_s += verify_s
+        self.stats.record(len(acc.accepted), len(tree), acc.path)
+        self.start += len(acc.path)
+        return self.emit(acc.accepted + [acc.bonus])
+
+    def emit(self, toks: list[int]) -> Iterator[int]:
+        """Emit tokens one by one, up to the first that ends the sequence: a stop id (emitted) or
+        the last of a stop string (`text`); at the last, max_new_tokens or a full context window
+        ends it. The sequence has ended before its last token is handed out; a token counts once
+        it is taken, so a reader that stops early (a cancel) leaves the rest uncounted."""
+        for i, tok in enumerate(toks):
+            self.stats.new_tokens += 1
+            self.history.append(tok)
+            self.tokens.append(tok)
+            if tok in self.stop_ids or (self.text is not None and self.text.feed(tok)):
+                self.finish("stop")
+            elif i == len(toks) - 1 and (self.stats.new_tokens >= self.max_new_tokens or self.start + 1 >= self.limit):
+                self.finish("length")
+            yield tok
+            if self.done:
+                return
+
+    def finish(self, reason: str) -> None:
+        """End it ("stop", "length", "abort", "error"): the stats are closed the first time; a
+        later reason (a fault found after its end) replaces the first."""
+        if not self.done:
+            self.done = True
+            self.stats.draft_s += self.proposer.timings["draft"]
+            self.stats.tree_s += self.proposer.timings["tree"]
+            self.stats.total_s = time.perf_counter() - self.t_start
+        self.stats.finish_reason = reason
+
+    def fail(self, error: BaseException) -> None:
+        """A fault of its own ends it (finish reason "error"; the first fault is kept)."""
+        self.error = self.error or error
+        self.finish("error")
