@@ -8,7 +8,8 @@ import torch
 
 from treeflash.decoding import lookup as L
 from treeflash.decoding.stats import Stats
-from treeflash.decoding.proposers import METHODS, TreeParams, make_proposer
+from treeflash.decoding.proposers import TreeParams, make_proposer
+from treeflash.options import METHODS
 from treeflash.decoding.trees import best_first, combine, marginal_transitions
 
 from conftest import oracle, run, tiny_drafter, tiny_target, vanilla
