@@ -304,7 +304,7 @@ def test_pages_round_up_to_one_page_size():
     cache = BatchCache(StaticKV(1, 1, 1, 2 * PAGE_SIZE, torch.float32, "cpu"))
     assert cache.page_size == PAGE_SIZE and [cache.pages_for(n) for n in (0, 1, PAGE_SIZE, PAGE_SIZE + 1)] == [0, 1, 1, 2]
     cfg = ServeConfig(model_name="m", max_tokens_limit=100, max_prompt_tokens=10, max_batch=3)
-    assert pool_slots(1000, cfg, budget=8) == 3 * round_up(118, PAGE_SIZE)
+    assert pool_slots(1000, cfg, rows=8) == 3 * round_up(118, PAGE_SIZE)
 
 
 def test_pool_pages_compaction_and_free():

@@ -195,11 +195,13 @@ def test_auto_stage2_columns_grow_with_the_budget_and_an_explicit_value_is_kept(
 
 def test_prepare_compiles_every_tree_size_up_to_the_budget(engine, monkeypatch):
     """Every caller of `prepare` (generation, `profile`, `bench`) gets the compiled steps of trees of
-    1..budget nodes before it times anything: a tree at the end of a generation is smaller."""
+    1..budget nodes (the proposer's rows at the budget) before it times anything: a tree at the end
+    of a generation is smaller."""
     sizes: list[list[int]] = []
     monkeypatch.setattr(engine.target, "warm", lambda tree_sizes: sizes.append(list(tree_sizes)))
     engine.prepare([5, 6, 7], engine.config(method="treeflash", tree_size=4))
-    assert sizes == [[1, 2, 3, 4]]
+    engine.prepare([5, 6, 7], engine.config(method="vanilla", tree_size=4))  # plain decoding: the root alone
+    assert sizes == [[1, 2, 3, 4], [1]]
 
 
 def test_stop_string_ends_generate_and_stream(engine):

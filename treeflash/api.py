@@ -105,13 +105,13 @@ class Engine:
         budget = self.auto_tree_size(cfg).budget if cfg.tree_size == "auto" else cfg.tree_size
         proposer = make_proposer(cfg.method, self.drafter, self.target.embed, self.target.drafting_head,
                                  cfg.tree(vocab, budget))
-        if self.drafter is not None:  # the compiled backend compiles the drafter's block pass too
+        if proposer.drafts:  # the compiled backend compiles the drafter's block pass too (not for plain decoding)
             backend = self.target.backend
             self.drafter.compile_drafting(is_compiled(backend), cpp_gemm=uses_cpp_gemm(backend))
             proposer.compile_heads(is_compiled(backend), cpp_gemm=uses_cpp_gemm(backend))
-        # compile now what this generation will run: a tree of any size up to the budget (the root
+        # compile now what this generation will run: a tree of any size up to its rows at the budget (the root
         # alone at the end; lookup trees are as large as the text's repeats)
-        self.target.warm(range(1, proposer.params.budget + 1))
+        self.target.warm(range(1, proposer.rows(proposer.params.budget) + 1))
         return self.target.encode(prompt, chat=chat), cfg.sampling(vocab), proposer
 
     def tokens(self, prompt, config: GenerationConfig | None = None, *, chat: bool = True,

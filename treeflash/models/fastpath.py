@@ -20,6 +20,8 @@ One decoder function (`_decode`), two modes; both return (logits, features), log
   GEMM on AVX2 CPUs without AVX-512), its cost stays near flat from 1 to 4 rows (docs/performance.md,
   "Backends (`--backend`)"; `treeflash profile --verify-costs compiled,compiled-cpp` measures it).
   It needs an x86 CPU with AVX2 or AVX-512; compiling takes minutes per tree size.
+- compiled with `TREEFLASH_AOT=1`: each bucket's step is an AOTInductor package on disk (`aot`),
+  built once per machine and loaded in seconds by later processes.
 
 Long flat sequences of a bfloat16 model compute in float32 where that pays (`cpu.upcast_pays`).
 Beside this file: `kvcache` (the caches), `attention` (stacked attention, `linear`), `inductor`
@@ -33,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TreeflashError
+from .aot import PackagedSteps
+from .aot import enabled as aot_enabled
 from .attention import linear, stacked_attention
 from .cpu import UPCAST_MIN_ROWS, upcast_pays
 from .inductor import compile_frozen, cpp_gemm_supported
@@ -119,6 +123,7 @@ class FastPath:
         self.qk_norm = hasattr(attn, "q_norm")
         self.compile = compile
         self.cpp_gemm = cpp_gemm
+        self.aot = compile and aot_enabled() and next(model.parameters()).device.type == "cpu"
         if cpp_gemm and (next(model.parameters()).device.type != "cpu" or not cpp_gemm_supported()):
             raise TreeflashError("backend compiled-cpp needs an x86 CPU with AVX2 or AVX-512; use --backend compiled")
         self._compiled = {}  # tap ids -> compiled step
@@ -215,7 +220,8 @@ class FastPath:
 
     def _compiled_step(self, tap_ids: tuple):
         if tap_ids not in self._compiled:  # weights as constants: what makes compiling pay on CPU
-            self._compiled[tap_ids] = compile_frozen(self._step, self.cpp_gemm, dynamic=False, fullgraph=True)
+            self._compiled[tap_ids] = (PackagedSteps(self, tap_ids) if self.aot else
+                                       compile_frozen(self._step, self.cpp_gemm, dynamic=False, fullgraph=True))
         return self._compiled[tap_ids]
 
     @torch.no_grad()
