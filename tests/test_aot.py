@@ -53,3 +53,15 @@ def test_the_key_follows_the_weights_and_the_taps():
     with torch.no_grad():
         next(target.model.parameters()).view(-1)[0] += 1
     assert aot.package_dir(target.model, False, (0, 1)) != a
+
+
+def test_a_target_the_export_cannot_take_compiles_in_process(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TREEFLASH_AOT", "1")
+    monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path))
+
+    def fail(*args):
+        raise RuntimeError("unsupported operator")
+    monkeypatch.setattr(aot, "build", fail)
+    ref = vanilla(tiny_target("llama", logit_scale=3.0), PROMPT, N)
+    assert decode_chain(ref)[0] == ref
+    assert "compiling in this process instead" in capsys.readouterr().err

@@ -56,18 +56,23 @@ def package_dir(model, cpp_gemm: bool, taps: tuple) -> Path:
     return cache_dir() / "aot" / key
 
 
+def flat_cache(kv) -> StaticKV:
+    """A StaticKV over the per-layer tensors k_0..k_L-1, v_0..v_L-1 (a step's flat arguments)."""
+    layers = len(kv) // 2
+    cache = StaticKV.__new__(StaticKV)
+    cache.k, cache.v, cache.length = list(kv[:layers]), list(kv[layers:]), 0
+    return cache
+
+
 class StepModule(torch.nn.Module):
     """`FastPath._step` with the cache as flat tensors: forward(ids, pos, slots, mask, *k, *v)."""
 
     def __init__(self, fastpath, taps: tuple):
         super().__init__()
         self.fastpath, self.model, self.taps = fastpath, fastpath.model, taps
-        self.layers = len(fastpath.decoder.layers)
 
     def forward(self, ids, pos, slots, mask, *kv):
-        cache = StaticKV.__new__(StaticKV)
-        cache.k, cache.v, cache.length = list(kv[:self.layers]), list(kv[self.layers:]), 0
-        return self.fastpath._step(ids, pos, slots, mask, cache, self.taps)
+        return self.fastpath._step(ids, pos, slots, mask, flat_cache(kv), self.taps)
 
 
 def example_inputs(fastpath, bucket: int) -> tuple:
@@ -124,10 +129,22 @@ class PackagedSteps:
             t0 = time.perf_counter()
             print(f"treeflash: compiling the target step for {bucket}-node trees once on this machine "
                   f"(minutes) into {self.dir}", file=sys.stderr)
-            build(self.fastpath, self.taps, bucket, path)
-            self.runners[bucket] = torch._inductor.aoti_load_package(str(path))
-            print(f"treeflash: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            try:
+                build(self.fastpath, self.taps, bucket, path)
+                self.runners[bucket] = torch._inductor.aoti_load_package(str(path))
+                print(f"treeflash: compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            except Exception as e:  # noqa: BLE001  (a model the export cannot take: compiled in-process)
+                print(f"treeflash: no package for this target ({type(e).__name__}: {str(e)[:120]}); "
+                      "compiling in this process instead", file=sys.stderr)
+                self.runners[bucket] = self.in_process()
         return self.runners[bucket]
+
+    def in_process(self):
+        """The step under torch.compile in this process (as without TREEFLASH_AOT), for any bucket."""
+        from .inductor import compile_frozen
+
+        step = compile_frozen(self.fastpath._step, self.fastpath.cpp_gemm, dynamic=False, fullgraph=True)
+        return lambda ids, pos, slots, mask, *kv: step(ids, pos, slots, mask, flat_cache(kv), self.taps)
 
     def __call__(self, ids, pos, slots, mask, cache: StaticKV, taps: tuple):
         return self.runner(len(ids))(ids, pos, slots, mask, *cache.k, *cache.v)
