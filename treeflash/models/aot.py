@@ -116,6 +116,7 @@ class PackagedSteps:
         self.fastpath, self.taps = fastpath, taps
         self.dir = package_dir(fastpath.model, fastpath.cpp_gemm, taps)
         self.runners: dict[int, object] = {}
+        self._in_process = None  # `in_process`, built at the first bucket without a package
 
     def runner(self, bucket: int):
         if bucket not in self.runners:
@@ -140,11 +141,14 @@ class PackagedSteps:
         return self.runners[bucket]
 
     def in_process(self):
-        """The step under torch.compile in this process (as without TREEFLASH_AOT), for any bucket."""
-        from .inductor import compile_frozen
+        """The step under torch.compile in this process (as without TREEFLASH_AOT): one compiled
+        function for every bucket that has no package."""
+        if self._in_process is None:
+            from .inductor import compile_frozen
 
-        step = compile_frozen(self.fastpath._step, self.fastpath.cpp_gemm, dynamic=False, fullgraph=True)
-        return lambda ids, pos, slots, mask, *kv: step(ids, pos, slots, mask, flat_cache(kv), self.taps)
+            step = compile_frozen(self.fastpath._step, self.fastpath.cpp_gemm, dynamic=False, fullgraph=True)
+            self._in_process = lambda ids, pos, slots, mask, *kv: step(ids, pos, slots, mask, flat_cache(kv), self.taps)
+        return self._in_process
 
     def __call__(self, ids, pos, slots, mask, cache: StaticKV, taps: tuple):
         return self.runner(len(ids))(ids, pos, slots, mask, *cache.k, *cache.v)
