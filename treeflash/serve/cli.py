@@ -96,7 +96,7 @@ def off_main_thread(fn):
     thread that runs parallel kernels a team of its own, and once more OpenMP threads exist than
     CPUs it throttles their spin-waiting, so that every kernel waits for sleeping threads. Loading,
     calibrating and warming up on the main thread left its team behind: the worker's steps ran
-    1.7x slower on 2 cores (docs/performance.md, "One OpenMP team"). A thread that ends takes its
+    much slower on 2 cores (docs/performance.md, "One OpenMP team"). A thread that ends takes its
     team with it."""
     import threading
 
