@@ -6,6 +6,7 @@ on long accepted paths, not only on rejections.
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -19,6 +20,10 @@ from treeflash.decoding.proposers import Chain, Marginal, TreeFlash, TreeParams,
 from treeflash.decoding.sampling import SamplingParams
 from treeflash.decoding.stats import Stats
 from treeflash.models.target import Target
+
+# The compiled backends' graphs as packages on disk (the default, `models/aot.py`) are tested in
+# test_aot.py; elsewhere the suite compiles in process, and `--backend auto` stays static.
+os.environ.setdefault("TREEFLASH_AOT", "0")
 
 
 def tiny_drafter(target: Target, seed: int = 1, block_size: int = 8, ar_std: float = 0.3):

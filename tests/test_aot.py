@@ -1,7 +1,13 @@
-"""Compiled target steps as AOTInductor packages on disk (`models/aot.py`, TREEFLASH_AOT=1): lossless
-against plain decoding, loaded (not rebuilt) by a later target, and rebuilt when an entry is corrupt."""
+"""The compiled backends' graphs as AOTInductor packages on disk (`models/aot.py`, the default on
+the CPU): the target's steps, the drafter's passes and the TreeFlash heads are lossless and match
+their eager forms (the checks of test_lossless.py, run again with packages), a later process loads
+them instead of rebuilding, a corrupt entry is rebuilt, a module the export cannot take compiles in
+process; and `--backend auto` picks the backend it timed faster, once per machine."""
+import pytest
 import torch
 
+import test_lossless as lossless
+from treeflash.decoding import costmodel
 from treeflash.decoding.stats import Stats
 from treeflash.models import aot
 
@@ -11,57 +17,95 @@ PROMPT = list(range(3, 40, 2))
 N = 24
 
 
+@pytest.fixture
+def packages(tmp_path, monkeypatch):
+    """Packages on, in an empty cache; yields the list of package files built."""
+    monkeypatch.setenv("TREEFLASH_AOT", "1")
+    monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path))
+    builds = []
+    real_build = aot.build
+    monkeypatch.setattr(aot, "build", lambda module, args, shapes, path, cpp: (builds.append(path.name),
+                                                                               real_build(module, args, shapes, path, cpp)))
+    yield builds
+
+
 def decode_chain(reference):
-    """Greedy chain decoding at budget 2 (buckets 1 and 2) on the compiled backend."""
+    """Greedy chain decoding at budget 4 (one row and trees) on the compiled backend."""
     target = tiny_target("llama", logit_scale=3.0).set_backend("compiled")
     drafter = tiny_drafter(target, block_size=4)
     stats = Stats()
-    out = run(target, oracle("chain", target, drafter, PROMPT + reference, 2), PROMPT, N, stats=stats)
+    out = run(target, oracle("chain", target, drafter, PROMPT + reference, 4), PROMPT, N, stats=stats)
     return out, stats, target
 
 
-def test_packaged_steps_are_lossless_load_from_disk_and_rebuild_a_corrupt_entry(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TREEFLASH_AOT", "1")
-    monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path))
+def test_target_steps_are_lossless_load_from_disk_and_rebuild_a_corrupt_entry(packages, tmp_path, capsys):
     ref = vanilla(tiny_target("llama", logit_scale=3.0), PROMPT, N)
-    builds = []
-    real_build = aot.build
-    monkeypatch.setattr(aot, "build", lambda fp, taps, bucket, path: (builds.append(bucket),
-                                                                      real_build(fp, taps, bucket, path)))
-
     out, stats, target = decode_chain(ref)
     assert target.runner.aot and out == ref and stats.mean_acceptance_length > 1.5
-    assert 2 in builds and set(builds) <= {1, 2}
+    assert "step-2-64.pt2" in packages and set(packages) <= {"step-1.pt2", "step-2-64.pt2"}
     (folder,) = (tmp_path / "aot").iterdir()
-    assert sorted(p.name for p in folder.iterdir()) == [f"step-{b}.pt2" for b in sorted(builds)]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(packages)
 
-    builds.clear()  # a later target with the same weights loads the packages
-    assert decode_chain(ref)[0] == ref and builds == []
+    packages.clear()  # a later target with the same weights loads the packages
+    assert decode_chain(ref)[0] == ref and packages == []
 
-    (folder / "step-2.pt2").write_bytes(b"not a package")
+    (folder / "step-2-64.pt2").write_bytes(b"not a package")
     capsys.readouterr()
-    assert decode_chain(ref)[0] == ref and builds == [2]
+    assert decode_chain(ref)[0] == ref and packages == ["step-2-64.pt2"]
     assert "treeflash: rebuilding" in capsys.readouterr().err
 
 
-def test_the_key_follows_the_weights_and_the_taps():
+@pytest.mark.parametrize("check, files", [
+    (lossless.test_compiled_backend_is_lossless, {"step-2-64.pt2", "block.pt2", "extend-block.pt2"}),
+    (lossless.test_compiled_treeflash_heads_build_the_eager_tables, {"tables.pt2"}),
+])
+def test_the_compiled_checks_hold_with_packages(packages, check, files):
+    check()
+    assert files <= set(packages) <= files | {"step-1.pt2"}
+
+
+def test_the_key_follows_the_weights_and_the_options():
     target = tiny_target("llama")
-    a = aot.package_dir(target.model, False, (0, 1))
-    assert aot.package_dir(target.model, False, (0, 1)) == a
-    assert aot.package_dir(target.model, False, (1,)) != a
-    assert aot.package_dir(target.model, True, (0, 1)) != a
+    model, config = target.model, target.model.config.to_json_string()
+    a = aot.key_dir("target", model, config, False, taps=[0, 1])
+    assert aot.key_dir("target", model, config, False, taps=[0, 1]) == a
+    assert aot.key_dir("target", model, config, False, taps=[1]) != a
+    assert aot.key_dir("target", model, config, True, taps=[0, 1]) != a
+    assert aot.key_dir("drafter", model, config, False, taps=[0, 1]) != a
     with torch.no_grad():
-        next(target.model.parameters()).view(-1)[0] += 1
-    assert aot.package_dir(target.model, False, (0, 1)) != a
+        next(model.parameters()).view(-1)[0] += 1
+    assert aot.key_dir("target", model, config, False, taps=[0, 1]) != a
 
 
-def test_a_target_the_export_cannot_take_compiles_in_process(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TREEFLASH_AOT", "1")
-    monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path))
-
+def test_a_target_the_export_cannot_take_compiles_in_process(packages, monkeypatch, capsys):
     def fail(*args):
         raise RuntimeError("unsupported operator")
     monkeypatch.setattr(aot, "build", fail)
     ref = vanilla(tiny_target("llama", logit_scale=3.0), PROMPT, N)
     assert decode_chain(ref)[0] == ref
     assert "compiling in this process instead" in capsys.readouterr().err
+
+
+def test_auto_backend_picks_the_faster_one_once_per_machine(tmp_path, monkeypatch):
+    """auto times static and compiled once (here: given times), keeps the faster, and a later call
+    reads the saved choice without timing; without packages, or on an unsupported model, it does
+    not time anything."""
+    monkeypatch.setenv("TREEFLASH_AOT", "1")
+    monkeypatch.setattr(costmodel, "CACHE_FILE", tmp_path / "costs.json")
+    target = tiny_target("llama")
+    for fast in ("static", "compiled"):
+        timed = []
+
+        def measure(t, sizes, fast=fast):
+            timed.append(t.backend)
+            return {n: (1.0 if t.backend == fast else 2.0) * n for n in sizes}
+        monkeypatch.setattr(costmodel, "measure", measure)
+        costmodel.CACHE_FILE.unlink(missing_ok=True)
+        assert costmodel.auto_backend(target) == fast and timed == ["static", "compiled"]
+        timed.clear()
+        assert costmodel.auto_backend(target) == fast and timed == []  # saved
+    monkeypatch.setenv("TREEFLASH_AOT", "0")
+    costmodel.CACHE_FILE.unlink()
+    assert costmodel.auto_backend(target) == "static" and timed == []
+    monkeypatch.setattr("treeflash.models.fastpath.supported", lambda config: False)
+    assert costmodel.auto_backend(target) == "hf"

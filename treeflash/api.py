@@ -91,11 +91,15 @@ class Engine:
     def bind(self) -> None:
         """Put the shared target in this engine's state: its backend, the layers its drafter reads
         (before any target call made outside the engine's own loops, as the batched server's)."""
+        if self.drafter is not None and self.target.tap_ids != self.drafter.config.target_layer_ids:
+            self.target.set_taps(self.drafter.config.target_layer_ids)  # first: compiled steps are per taps
+        if self.backend == "auto":  # the faster backend here, timed once per machine
+            from .decoding import costmodel
+
+            self.backend = costmodel.auto_backend(self.target)
         if self.target.backend != self.backend:
             self.target.set_backend(self.backend)
-            self.backend = self.target.backend  # "auto" resolves to a concrete path
-        if self.drafter is not None and self.target.tap_ids != self.drafter.config.target_layer_ids:
-            self.target.set_taps(self.drafter.config.target_layer_ids)
+            self.backend = self.target.backend
 
     def prepare(self, prompt, cfg: GenerationConfig, chat: bool = True):
         """(prompt ids, sampling, proposer) for one generation, its steps compiled: what the engine's

@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -30,10 +31,11 @@ CACHE_FILE = Path(os.environ.get("TREEFLASH_CACHE", Path.home() / ".cache" / "tr
 COSTS_VERSION = "2"  # bump when the forward paths change, so old measurements are not reused
 
 
-def machine_key(target, context: int) -> str:
+def machine_key(target, context: int | None = None) -> str:
+    """This machine, threads, model, dtype, and (with a context) the backend and that context."""
     cpu = platform.processor() or platform.machine()
-    return "|".join([COSTS_VERSION, cpu, str(os.cpu_count()), str(torch.get_num_threads()), target.name,
-                     str(target.dtype), target.backend, str(context)])
+    parts = [COSTS_VERSION, cpu, str(os.cpu_count()), str(torch.get_num_threads()), target.name, str(target.dtype)]
+    return "|".join(parts if context is None else [*parts, target.backend, str(context)])
 
 
 @torch.no_grad()
@@ -88,6 +90,42 @@ def measure(target, sizes=SIZES, context: int = 256, repeats: int = 5, use_cache
     saved[key] = {**{str(k): v for k, v in have.items()}, **{str(k): v for k, v in costs.items()}}
     _save(saved)
     return costs
+
+
+AUTO_SIZES = (1, 8)  # `auto_backend` scores a backend by a plain step plus an 8-node tree
+
+
+def auto_backend(target) -> str:
+    """`--backend auto`: static or compiled, whichever runs a plain step plus an 8-node tree faster
+    on this machine; timed once (the compiled steps built first: minutes) and saved per machine,
+    model, dtype and threads. hf where the static path does not support the model; static on a
+    GPU, with a quantized target, and where compiled steps are not kept on disk (TREEFLASH_AOT=0):
+    compiling in every process would cost more than it saves."""
+    from ..models import aot
+    from ..models.fastpath import supported
+
+    if not supported(target.config):
+        return "hf"
+    if target.device.type != "cpu" or not aot.enabled() or target.quantization != "none":
+        return "static"
+    key = machine_key(target)
+    saved = _load().get("backend", {}).get(key)
+    if saved is not None:
+        return saved
+    print("treeflash: --backend auto: timing the static and compiled backends once on this machine "
+          "(the compiled steps are built first: minutes)", file=sys.stderr)
+    times = {}
+    for backend in ("static", "compiled"):
+        target.set_backend(backend)
+        costs = measure(target, AUTO_SIZES)
+        times[backend] = sum(costs[n] for n in AUTO_SIZES)
+    choice = min(times, key=times.get)
+    print(f"treeflash: --backend auto chose {choice} (plain step + 8-node tree: "
+          + ", ".join(f"{b} {t * 1e3:.1f} ms" for b, t in times.items()) + ")", file=sys.stderr)
+    data = _load()
+    data.setdefault("backend", {})[key] = choice
+    _save(data)
+    return choice
 
 
 def fingerprint(module) -> str:

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..models import aot
 from ..models.drafter import Drafter
 
 # Tensors derived from a drafter's weights (the draft vocabulary's LM-head rows, the previous-token
@@ -197,8 +198,6 @@ class TablesGraph(nn.Module):
 
     def __init__(self, heads: DraftHeads, m: int, k: int, n_cols: int, depth: int, cpp_gemm: bool):
         super().__init__()
-        from ..models.inductor import compile_frozen
-
         ar, drafter = heads.drafter.ar_approximation, heads.drafter
         self.m, self.k, self.n_cols, self.depth = m, k, n_cols, depth
         self.norm, self.d = drafter.model.norm, ar.d
@@ -209,7 +208,10 @@ class TablesGraph(nn.Module):
         zero = torch.zeros(1, dtype=torch.long)
         self.register_buffer("row_pos", torch.cat([zero, torch.arange(1, depth).repeat_interleave(m)]),
                              persistent=False)         # [R] the position each stage-2 row reads
-        self.run = compile_frozen(self.forward, cpp_gemm, dynamic=False, fullgraph=True)
+        shape = f"m={m} k={k} cols={n_cols} depth={depth}"
+        self.run = aot.compiled_call(  # a package on disk on the CPU (`models/aot.py`)
+            self, lambda: aot.key_dir("heads", self, shape, cpp_gemm) / "tables.pt2", lambda: (self.example(), None),
+            cpp_gemm, "the TreeFlash heads", dynamic=False, fullgraph=True)
         self.warmed = False
 
     def forward(self, h: torch.Tensor, root_part: torch.Tensor):
@@ -228,10 +230,14 @@ class TablesGraph(nn.Module):
         vals, idx = logits.log_softmax(-1).topk(self.k, -1)                    # [R, k]
         return top[:, :m], cols[pos].gather(1, idx), vals
 
+    def example(self) -> tuple:
+        """Inputs of the graph's fixed shape: h [D+1, H], root_part [1, 2A]."""
+        p = self.rows
+        return torch.zeros(self.depth + 1, p.shape[1], dtype=p.dtype, device=p.device), self.table[:1].clone()
+
     @torch.no_grad()
     def warm(self) -> None:
-        """Compile now (or load from inductor's disk cache), not inside a timed generation; once."""
+        """Compile now (or load its package), not inside a timed generation; once."""
         if not self.warmed:
-            p = self.rows
-            self.run(torch.zeros(self.depth + 1, p.shape[1], dtype=p.dtype, device=p.device), self.table[:1])
+            self.run(*self.example())
             self.warmed = True

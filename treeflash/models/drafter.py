@@ -196,6 +196,11 @@ class DraftCache:
         return p
 
 
+def flat_kv(cache: DraftCache) -> list[torch.Tensor]:
+    """k_0, v_0, k_1, v_1, ...: the cache as a compiled pass takes it (`drafter_steps`)."""
+    return [t for k_v in zip(cache.k, cache.v) for t in k_v]
+
+
 class Drafter(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -272,13 +277,14 @@ class Drafter(nn.Module):
         """One inference pass: block [B, H] at positions start.. -> h [B, H] (pre-norm); appends
         the cache's pending context first."""
         pos = torch.arange(start, start + block_emb.shape[0], device=block_emb.device)
-        if self._compiled_block is None or cache.pending is None or cache.k[0] is None:
+        if self._compiled_block is None:
             self._flush(cache)
-            block = self._compiled_block or self.forward_block
-            return block(block_emb, pos, list(zip(cache.k, cache.v)))
-        kv, h = self._compiled_extend_block(*cache.take_pending(), block_emb, pos, list(zip(cache.k, cache.v)))
-        for i, (k, v) in enumerate(kv):
-            cache.k[i], cache.v[i] = k, v
+            return self.forward_block(block_emb, pos, list(zip(cache.k, cache.v)))
+        if cache.pending is None or cache.k[0] is None:
+            self._flush(cache)
+            return self._compiled_block(block_emb, pos, *flat_kv(cache))
+        h, *kv = self._compiled_extend_block(*cache.take_pending(), block_emb, pos, *flat_kv(cache))
+        cache.k[:], cache.v[:] = kv[0::2], kv[1::2]
         return h
 
     def extend_block(self, feats: torch.Tensor, fpos: torch.Tensor, block_emb: torch.Tensor, positions: torch.Tensor,
@@ -290,18 +296,17 @@ class Drafter(nn.Module):
         return kv, self.forward_block(block_emb, positions, kv)
 
     def compile_drafting(self, on: bool = True, cpp_gemm: bool = False) -> None:
-        """torch.compile the inference block pass (`draft`), with the context length dynamic so
-        it compiles once (the compiled target backends turn this on; `cpp_gemm`: its matmuls in
-        inductor's C++ GEMM template, as backend compiled-cpp). Weights are frozen into the
+        """Compile the inference block pass (`draft`) and the same pass after appending the last
+        step's accepted context, their sizes symbolic (`drafter_steps.compiled_passes`: packages
+        on disk on the CPU); the compiled target backends turn this on; `cpp_gemm`: matmuls in
+        inductor's C++ GEMM template, as backend compiled-cpp. Weights are frozen into the
         compiled graph: recompile (off, then on) after changing them."""
         if not on or cpp_gemm != self._compiled_cpp:
             self._compiled_block = self._compiled_extend_block = None
         if on and self._compiled_block is None:
-            from .inductor import compile_frozen
+            from .drafter_steps import compiled_passes
 
-            self._compiled_block = compile_frozen(self.forward_block, cpp_gemm, dynamic=True)
-            # the decode loop's step: last step's accepted context + this block, one call
-            self._compiled_extend_block = compile_frozen(self.extend_block, cpp_gemm, dynamic=True)
+            self._compiled_block, self._compiled_extend_block = compiled_passes(self, cpp_gemm)
             self._compiled_cpp = cpp_gemm
             self._warm_compiled()
 
@@ -311,14 +316,14 @@ class Drafter(nn.Module):
         pass alone, and with 1 and with >= 2 appended positions (sizes 0/1 specialise)."""
         p = next(self.parameters())
         c = self.config
-        kv = [tuple(torch.zeros(c.num_key_value_heads, context, c.head_dim, dtype=p.dtype, device=p.device)
-                    for _ in range(2)) for _ in self.model.layers]  # distinct k, v: guards check aliasing
+        kv = [torch.zeros(c.num_key_value_heads, context, c.head_dim, dtype=p.dtype, device=p.device)
+              for _ in range(2 * len(self.model.layers))]  # distinct k, v: guards check aliasing
         block = torch.zeros(c.block_size, c.hidden_size, dtype=p.dtype, device=p.device)
         pos = torch.arange(context, context + c.block_size, device=p.device)
-        self._compiled_block(block, pos, kv)
+        self._compiled_block(block, pos, *kv)
         for n in (1, 2):
             feats = torch.zeros(n, self.model.fc.in_features, dtype=p.dtype, device=p.device)
-            self._compiled_extend_block(feats, torch.arange(n, device=p.device), block, pos, kv)
+            self._compiled_extend_block(feats, torch.arange(n, device=p.device), block, pos, *kv)
 
     def corrected(self, h: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
         """Final-normed states after the TreeFlash correction; without one, the marginal states."""

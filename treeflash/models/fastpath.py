@@ -20,8 +20,9 @@ One decoder function (`_decode`), two modes; both return (logits, features), log
   GEMM on AVX2 CPUs without AVX-512), its cost stays near flat from 1 to 4 rows (docs/performance.md,
   "Backends (`--backend`)"; `treeflash profile --verify-costs compiled,compiled-cpp` measures it).
   It needs an x86 CPU with AVX2 or AVX-512; compiling takes minutes per tree size.
-- compiled with `TREEFLASH_AOT=1`: each bucket's step is an AOTInductor package on disk (`aot`),
-  built once per machine and loaded in seconds by later processes.
+- compiled on the CPU (packages on, the default): the step is two AOTInductor packages on disk,
+  one row and 2..64 rows, trees unpadded (`steps.PackagedSteps`), built once per machine and
+  loaded in about a second by later processes.
 
 Long flat sequences of a bfloat16 model compute in float32 where that pays (`cpu.upcast_pays`).
 Beside this file: `kvcache` (the caches), `attention` (stacked attention, `linear`), `inductor`
@@ -35,13 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import TreeflashError
-from .aot import PackagedSteps
 from .aot import enabled as aot_enabled
 from .attention import linear, stacked_attention
 from .cpu import UPCAST_MIN_ROWS, upcast_pays
 from .inductor import compile_frozen, cpp_gemm_supported
 from .kvcache import StaticKV, attention_mask
 from .lazy_logits import LazyLogits
+from .steps import PackagedSteps
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)  # compiled tree sizes; a tree is padded to the next one
@@ -159,8 +160,9 @@ class FastPath:
         return max(WIDTH_STEP, BUCKETS[-1]) if self.compile else 0
 
     # ---- the forward ----
-    def _decode(self, x, pos, slots, mask, cache: StaticKV, tap_ids: tuple):
-        """x [N, H]; pos, slots [N]; mask [N, S] bool over the cache slots [:S] to attend to.
+    def _decode(self, x, pos, slots, mask, cache: StaticKV, tap_ids: tuple, stacked: bool = True):
+        """x [N, H]; pos, slots [N]; mask [N, S] bool over the cache slots [:S] to attend to;
+        `stacked`: steps of 2-4 rows may stack query heads (`_attend`).
 
         Returns h [N, H] (final-normed) and the features [N, taps*H]: the outputs of the layers
         `tap_ids`, in order (no columns without taps)."""
@@ -186,7 +188,7 @@ class FastPath:
             keys, values = cache.update(k, v, i, slots)  # [1, Hkv, S', D], S' >= S
             dt = self.attn_dtype or q.dtype
             q, keys, values = q.to(dt), keys[:, :, :width].to(dt), values[:, :, :width].to(dt)
-            o = self._attend(q, keys, values, mask, x.dtype)  # [1, Hq, N, D]
+            o = self._attend(q, keys, values, mask, x.dtype, stacked)  # [1, Hq, N, D]
             x = x + linear(a.o_proj, o.transpose(1, 2).reshape(1, o.shape[2], -1))
             h = layer.post_attention_layernorm(x)
             if fl.gate_up is not None:
@@ -199,7 +201,7 @@ class FastPath:
         h = self.decoder.norm(x[0])
         return h, (torch.cat([taps[i] for i in tap_ids], -1) if tap_ids else h[:, :0])
 
-    def _attend(self, q, keys, values, mask, dtype):
+    def _attend(self, q, keys, values, mask, dtype, stacked: bool = True):
         """q [1, Hq, N, D], keys/values [1, Hkv, S, D], mask [N, S] bool -> [1, Hq, N, D] in `dtype`.
 
         A step of 2-4 rows (a small tree) stacks the g = Hq/Hkv query heads that share a KV head
@@ -208,15 +210,19 @@ class FastPath:
         with the KV heads broadcast, which is slower for 2-4 rows on an AVX2 CPU (docs/performance.md,
         "Stacked query heads"). One row keeps the broadcast form: it is faster there."""
         n = q.shape[2]
-        if 1 < n <= GROUPED_MAX_ROWS and q.shape[1] > self.n_kv:
+        if stacked and 1 < n <= GROUPED_MAX_ROWS and q.shape[1] > self.n_kv:
             return stacked_attention(q, keys, values, mask, self.scaling).to(dtype)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None], scale=self.scaling,
                                               enable_gqa=True).to(dtype)
 
-    def _step(self, ids, pos, slots, mask, cache: StaticKV, tap_ids: tuple):
+    def _step(self, ids, pos, slots, mask, cache: StaticKV, tap_ids: tuple, stacked: bool = True):
         """The compiled unit: `_decode` and the LM head over every row: float32 logits [N, V], features."""
-        h, feats = self._decode(self.decoder.embed_tokens(ids), pos, slots, mask, cache, tap_ids)
+        h, feats = self._decode(self.decoder.embed_tokens(ids), pos, slots, mask, cache, tap_ids, stacked)
         return self.model.get_output_embeddings()(h).float(), feats
+
+    def bucket(self, n: int) -> int | None:
+        """The rows a compiled step of n rows runs (packages: n itself; else the bucket holding it)."""
+        return PackagedSteps.rows_for(n) if self.aot else bucket_for(n)
 
     def _compiled_step(self, tap_ids: tuple):
         if tap_ids not in self._compiled:  # weights as constants: what makes compiling pay on CPU
@@ -234,7 +240,7 @@ class FastPath:
         end = start + n
         if end > cache.capacity:
             raise TreeflashError(f"KV cache of {cache.capacity} slots is full (needed {end})")
-        bucket = bucket_for(n)
+        bucket = self.bucket(n)
         flat_prefill = tree_mask is None and n > 1
         # compiled where the width stays below the capacity: a slice of the whole cache would be
         # contiguous, a case the graph is not compiled for (it would recompile)
@@ -274,7 +280,7 @@ class FastPath:
         padding row writes a scratch slot and attends to slot 0 only. Flat (a prefill chunk), more
         rows than any bucket, or eager backends: eagerly."""
         n, w, taps = len(ids), mask.shape[1], tuple(tap_ids)
-        bucket = bucket_for(n) if self.compile and not flat else None
+        bucket = self.bucket(n) if self.compile and not flat else None
         width = -(-w // WIDTH_STEP) * WIDTH_STEP
         if bucket is None or width >= cache.capacity or len(scratch) < bucket - n:
             return self._eager_rows(cache, ids, pos, slots, mask, taps, flat)
@@ -296,7 +302,7 @@ class FastPath:
         if not self.compile:
             return
         taps = tuple(tap_ids)
-        todo = {b for b in map(bucket_for, sizes) if b is not None}
+        todo = {b for b in map(self.bucket, sizes) if b is not None}
         todo -= self._warmed.get(taps, set())
         if not todo:
             return
