@@ -55,7 +55,10 @@ test: install
 	$(PY) -m pytest -q
 
 # Optional: llama.cpp from the llama-cpp-python sdist's vendored source (PyPI), built once with cmake + ninja
-# (one patch: its Qwen2 graph exposes the layer inputs that DFlash drafting reads, as its Llama and Qwen3 graphs do)
+# (two patches: its Qwen2 graph exposes the layer inputs that DFlash drafting reads, as its Llama and Qwen3 graphs do;
+# its AMX kernels keep their tile configuration per thread, ask for the tile-data permission on every worker thread and
+# load the configuration at every call, so they run on AMX CPUs, also beside PyTorch's AMX kernels in one process:
+# what ggml-org/llama.cpp PR #26954 (open) fixes upstream)
 # into .llama.cpp/ (git-ignored; 11-19 min on 2 cores): the llama-speculative-simple, llama-server and llama-bench binaries
 # (DFlash speculative decoding: `--spec-type draft-dflash`) and libllama, which the Python binding (installed
 # without a second compile) loads through LLAMA_CPP_LIB_PATH. Not needed by demo or test.
@@ -69,6 +72,7 @@ $(LLAMA_SRC)/vendor/llama.cpp/CMakeLists.txt:
 	$(PY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_VERSION) -d $(LLAMA_DIR)
 	tar xzf $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_VERSION).tar.gz -C $(LLAMA_DIR)
 	patch -s -d $(LLAMA_SRC)/vendor/llama.cpp -p1 < scripts/llama-cpp-qwen2-dflash.patch
+	patch -s -d $(LLAMA_SRC)/vendor/llama.cpp -p1 < scripts/llama-cpp-amx-tiles.patch
 
 $(LLAMA_BIN)/llama-speculative-simple: $(LLAMA_SRC)/vendor/llama.cpp/CMakeLists.txt
 	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_DIR)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \

@@ -103,3 +103,46 @@ def test_bench_arms_in_llama_server_count_tokens_and_steps(tmp_path):
         assert 0 < len(out.token_ids) <= 32 and out.stats.total_s > 0
         assert sum(out.stats.acceptance_lengths) + 1 == len(out.token_ids)
     assert outs[0].stats.mean_acceptance_length == 1.0 and outs[1].stats.mean_acceptance_length > 1.0
+
+
+LLAMA_AFTER_TORCH = r"""
+import sys
+import torch
+from treeflash.bench.methods import llama_cpp_gguf
+from treeflash.bench.selftest import tiny_target
+
+gguf, why = llama_cpp_gguf("smollm2-135m")
+assert gguf is not None, why
+if sys.argv[1] == "torch-first":  # a compiled bf16 step of 4 rows on PyTorch's OpenMP threads first
+    target = tiny_target("llama", dtype=torch.bfloat16).set_backend("compiled")
+    cache = target.new_cache(64)
+    target.forward(torch.arange(8), torch.arange(8), cache)
+    target.forward(torch.arange(4), 8 + torch.arange(4), cache, torch.ones(4, 4, dtype=torch.bool).tril_())
+import llama_cpp
+llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=256, n_threads=2, verbose=False)
+prompt = llm.tokenize(b"def fibonacci(n):\n    ")  # several tokens: one forward over all of them
+out = []
+for tok in llm.generate(prompt, reset=True, temp=0.0, top_k=1):
+    out.append(int(tok))
+    if len(out) == 12:
+        break
+print(len(prompt), *out)
+"""
+
+
+def test_llama_cpp_decodes_a_prompt_after_a_compiled_torch_step_in_one_process():
+    """ggml's AMX kernels share PyTorch's OpenMP threads in one process (`make llama-cpp` patches
+    them to load their tile configuration at every call): a several-token prompt decodes there,
+    after a compiled bf16 PyTorch step, as it does in a process that runs llama.cpp alone."""
+    from treeflash.bench.methods import llama_cpp_gguf
+
+    if llama_cpp_gguf("smollm2-135m")[0] is None:
+        pytest.skip("llama_cpp or the SmolLM2 GGUF is not available here")
+    env = {**__import__("os").environ, "TREEFLASH_AOT": "0"}
+    runs = [subprocess.run([sys.executable, "-c", LLAMA_AFTER_TORCH, order], capture_output=True, text=True,
+                           timeout=900, env=env) for order in ("alone", "torch-first")]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    alone, after = (r.stdout.split() for r in runs)
+    assert int(alone[0]) >= 4 and len(alone) == 13
+    assert after == alone

@@ -56,11 +56,12 @@ def add_dtype_arg(p: argparse.ArgumentParser, default: str = "auto") -> None:
 
 def add_backend_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=options.BACKENDS,
-                   help="target forward: static = lean path over a preallocated KV cache (Llama-family; "
-                        "auto picks it where supported), compiled = the same under torch.compile "
-                        "(each process compiles for ~30 s per tree size), compiled-cpp = compiled with every "
-                        "matmul in inductor's C++ GEMM template (x86 CPUs; faster verify on CPUs without "
-                        "AVX-512; each process compiles for minutes), hf = the model's own forward")
+                   help="target forward: static = lean path over a preallocated KV cache (Llama-family), "
+                        "compiled = the same compiled (CPU: built once per machine, minutes, then loaded "
+                        "from ~/.cache/treeflash/aot in seconds), compiled-cpp = compiled with every matmul in "
+                        "inductor's C++ GEMM template (x86 CPUs; faster verify on CPUs without AVX-512), "
+                        "hf = the model's own forward; auto = the faster of static and compiled here, "
+                        "timed once per machine (hf where static does not support the model)")
 
 
 def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
