@@ -297,7 +297,7 @@ def test_a_wrong_mask_breaks_exactness(setup, monkeypatch, wrong):
 
 def test_pages_round_up_to_one_page_size():
     """One page size and one rounding rule for the pool, the decoder and the server's pool size."""
-    from treeflash.serve.batch_worker import pool_slots
+    from treeflash.serve.worker import pool_slots
     from treeflash.serve.jobs import ServeConfig
 
     assert [round_up(n, 16) for n in (1, 16, 17, 32)] == [16, 16, 32, 32]

@@ -131,39 +131,29 @@ def engine(model_dirs):
     return Engine(Target.load(str(target_dir)), load_drafter(drafter_dir))
 
 
-class HeldEngine:
-    """An engine whose generations the test can hold: while `hold` is set, a generation that has
-    sent text waits before its next token until its client leaves (the worker cancels its job).
-    Queueing and disconnects are then tested deterministically, whatever the machine's speed."""
+def hold_after_text(worker, hold: threading.Event) -> None:
+    """While `hold` is set, the worker waits before each step once a running request has sent text,
+    until `hold` is cleared or every running client has left (then it skips the step, so that it
+    drops them first). Queueing and disconnects are then tested deterministically, whatever the
+    machine's speed."""
+    step = worker.decoder.step
 
-    def __init__(self, engine):
-        self.engine, self.hold, self.worker, self.text = engine, threading.Event(), None, None
+    def held() -> bool:
+        return hold.is_set() and any(a.text.sent for a in list(worker.active.values()))
 
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+    def held_step():
+        while held() and not all(a.job.cancelled.is_set() for a in list(worker.active.values())):
+            time.sleep(0.01)
+        return {} if held() else step()
 
-    def assembler(self, cfg):
-        self.text = self.engine.assembler(cfg)  # the worker's assembler: `sent` is what the client got
-        return self.text
-
-    def tokens(self, *args, **kw):
-        inner = self.engine.tokens(*args, **kw)
-        try:
-            for tok in inner:
-                yield tok
-                job = self.worker.current
-                while self.hold.is_set() and self.text.sent and not job.cancelled.is_set():
-                    time.sleep(0.01)
-        finally:
-            inner.close()
+    worker.decoder.step = held_step
 
 
 @pytest.fixture(scope="module")
 def held_server(model_dirs):
-    """The server app in this process (uvicorn on a thread) over a `HeldEngine`; `.hold` holds it."""
+    """The server app in this process (uvicorn on a thread) on the hf backend (`SerialDecoder`);
+    `.hold` holds its steps (`hold_after_text`)."""
     import types
-
-    import uvicorn
 
     from treeflash.api import Engine
     from treeflash.config import GenerationConfig
@@ -173,16 +163,17 @@ def held_server(model_dirs):
     from treeflash.serve.jobs import ServeConfig
 
     target_dir, drafter_dir = model_dirs
-    engine = HeldEngine(Engine(Target.load(str(target_dir)), load_drafter(drafter_dir)))
+    engine = Engine(Target.load(str(target_dir)), load_drafter(drafter_dir), backend="hf")
     gen = GenerationConfig(method="treeflash", tree_size=8, top_m=2, top_k=2, max_new_tokens=DEFAULT_MAX_TOKENS)
     app = create_app(engine, ServeConfig(model_name="tiny", generation=gen, max_tokens_limit=MAX_TOKENS_LIMIT,
                                          api_key=API_KEY))
-    engine.worker = app.state.worker
+    hold = threading.Event()
+    hold_after_text(app.state.worker, hold)
     try:
         with in_process(app) as url:
-            yield types.SimpleNamespace(url=url, hold=engine.hold)
+            yield types.SimpleNamespace(url=url, hold=hold, worker=app.state.worker)
     finally:
-        engine.hold.clear()
+        hold.clear()
 
 
 @contextlib.contextmanager
@@ -370,6 +361,19 @@ def wait_until(cond, what: str, timeout: float = 120) -> None:
 
 def load(server) -> dict:
     return httpx.get(server.url + "/health", timeout=10).json()
+
+
+def test_hf_backend_serves_one_request_at_a_time(held_server, engine):
+    """The hf backend (which `BatchDecoder` cannot run) serves through `SerialDecoder`, the engine's
+    single-sequence loop: greedy answers equal `Engine.generate`'s."""
+    from treeflash.decoding.serial import SerialDecoder
+
+    assert isinstance(held_server.worker.decoder, SerialDecoder)
+    want = greedy(engine, user(PROMPTS[2]))
+    r = post(held_server, "/v1/chat/completions", {"messages": user(PROMPTS[2]), "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want.text
+    assert r.json()["usage"]["completion_tokens"] == len(want.token_ids)
 
 
 def test_queue_is_first_in_first_out(held_server):

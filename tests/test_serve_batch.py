@@ -1,4 +1,4 @@
-"""`treeflash serve --max-batch N`: continuous batching in the server (serve/batch_worker.py), the
+"""`treeflash serve --max-batch N`: continuous batching in the server (serve/worker.py), the
 load-adaptive tree budget (costmodel.adaptive_budget) and the decoder's per-step budget hook.
 
 The app runs in this process (uvicorn on a thread, as test_serve.py's `held_server`) over the tiny
@@ -356,7 +356,7 @@ def test_adaptive_budgets_follow_the_batch_size(model_dirs, reference):
     from treeflash.config import GenerationConfig
     from treeflash.models.drafter import load_drafter
     from treeflash.models.target import Target
-    from treeflash.serve.batch_worker import BatchWorker
+    from treeflash.serve.worker import Worker
     from treeflash.serve.metrics import Metrics
     from treeflash.serve.jobs import Job, ServeConfig
 
@@ -370,7 +370,7 @@ def test_adaptive_budgets_follow_the_batch_size(model_dirs, reference):
     gen = GenerationConfig(**{**GEN, "tree_size": b1}, max_new_tokens=12)
     cfg = ServeConfig(model_name="tiny", generation=gen, max_tokens_limit=LIMIT, max_batch=4, auto_budget=choice)
     metrics = Metrics("tiny")
-    worker = BatchWorker(engine, cfg, metrics)
+    worker = Worker(engine, cfg, metrics)
     seen = []
     step = worker.decoder.step
 
@@ -412,6 +412,48 @@ def test_adaptive_budgets_follow_the_batch_size(model_dirs, reference):
     assert {1} in seen, seen                  # a full batch verified roots alone
     assert seen[-1] == {b1}, seen            # alone: the bs=1 budget
     assert "treeflash:tree_budget" in metrics.render()
+
+
+def test_max_batch_1_is_a_batch_of_one(model_dirs, reference):
+    """--max-batch 1 on the static backend decodes through `BatchDecoder` with a pool for one
+    request: concurrent clients are served one at a time, and each greedy answer has the tokens of
+    the engine's bs=1 loop and of plain decoding (fp32)."""
+    from treeflash.api import Engine
+    from treeflash.config import GenerationConfig
+    from treeflash.decoding.batch import BatchDecoder
+    from treeflash.models.drafter import load_drafter
+    from treeflash.models.target import Target
+    from treeflash.serve.app import create_app
+    from treeflash.serve.jobs import ServeConfig
+    from treeflash.serve.worker import pool_slots
+
+    target_dir, drafter_dir = model_dirs
+    engine = Engine(Target.load(str(target_dir)), load_drafter(drafter_dir), backend="static")
+    cfg = ServeConfig(model_name="tiny", generation=GenerationConfig(**GEN, max_new_tokens=12), max_tokens_limit=LIMIT,
+                      api_key=API_KEY)
+    app = create_app(engine, cfg)
+    worker = app.state.worker
+    assert isinstance(worker.decoder, BatchDecoder)
+    assert worker.decoder.cache.capacity == pool_slots(engine.target.max_length, cfg, worker.rows)
+    lengths, got = [LIMIT, 9, 30], {}
+
+    def ask(server, prompt: str, n: int) -> None:
+        got[prompt] = post(server, "/v1/chat/completions", {"messages": user(prompt), "max_tokens": n,
+                                                             "temperature": 0}).json()
+
+    with in_process(app) as url:
+        server = types.SimpleNamespace(url=url)
+        threads = [threading.Thread(target=ask, args=(server, p, n)) for p, n in zip(PROMPTS, lengths)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    assert worker.peak == 1
+    for p, n in zip(PROMPTS, lengths):
+        want, plain = alone(reference, p, n), alone(reference, p, n, method="vanilla")
+        assert plain.token_ids == want.token_ids, p
+        assert got[p]["choices"][0]["message"]["content"] == want.text, p
+        assert got[p]["usage"]["completion_tokens"] == len(want.token_ids), p
 
 
 def test_max_batch_needs_the_static_backend(model_dirs):

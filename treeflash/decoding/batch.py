@@ -99,7 +99,6 @@ class BatchDecoder:
         self.target, self.drafter, self.page_size = target, drafter, page_size
         self.prefill_chunk = prefill_chunk
         self.runner: FastPath = target.runner
-        self.limit = target.max_length
         self.cache = BatchCache.for_runner(self.runner, capacity, page_size) if capacity else None
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
@@ -118,14 +117,10 @@ class BatchDecoder:
         sampling, max_new_tokens, seed and ignore_eos; `stop_ids` overrides the target's; `text` (a
         `TextAssembler`, optional) is fed its tokens, and its stop strings end it."""
         cfg = config or GenerationConfig()
-        vocab = self.target.vocab_rows
         if proposer is None:
             proposer = make_proposer(cfg.method, self.drafter, self.target.embed, self.target.drafting_head,
-                                     cfg.tree(vocab))
-        if stop_ids is None:
-            stop_ids = set() if cfg.ignore_eos else self.target.stop_ids()
-        seq = Sequence.new(prompt_ids, proposer, cfg.sampling(vocab), cfg.max_new_tokens, stop_ids, self.limit,
-                           Stats(), cfg.seed, text, id=self._next_id)
+                                     cfg.tree(self.target.vocab_rows))
+        seq = Sequence.request(self.target, prompt_ids, cfg, proposer, text, stop_ids, id=self._next_id)
         if self.cache is not None and self.cache.pages_for(seq.reserved) * self.page_size > self.cache.capacity:
             raise TreeflashError(f"a request of up to {seq.reserved} tokens exceeds the pool ({self.cache.capacity} slots)")
         self._next_id += 1

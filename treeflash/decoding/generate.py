@@ -1,5 +1,5 @@
 """The single-sequence decoding loop: prefill, then steps of draft -> build tree -> verify ->
-accept -> commit.
+accept -> commit (`decode`; `serial.SerialDecoder` runs the same `prefill` and `decode_step`).
 
 The same loop runs plain decoding (`vanilla`: a root-only tree), so every method shares one
 sampler and one KV-cache path; the per-sequence rules (checks, reservation, depth, emitting and
@@ -30,30 +30,37 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
     stop_ids = target.stop_ids() if stop_ids is None else stop_ids
     seq = Sequence.new(prompt_ids, proposer, sampling, max_new_tokens, stop_ids, target.max_length,
                        stats if stats is not None else Stats(), seed, text)
-    cache, dev = target.new_cache(seq.reserved), target.device
+    cache = target.new_cache(seq.reserved)
     try:  # the stats are complete also when the consumer closes the generator early (a cancel)
         toks = seq.first(prefill(target, seq, cache))
         while True:
             yield from toks
             if seq.done:
                 return
-            t0 = time.perf_counter()
-            depth = seq.block_depth()  # the drafter's pass over this step's block, if any
-            states = draft_blocks(seq.drafter, proposer.embed, [seq.draft_job(depth)])[0] if depth else None
-            t_draft = time.perf_counter() - t0
-            tree = seq.propose(states)
-            t1 = time.perf_counter()
-            logits, feats = target.forward(tree.tokens.to(dev), (seq.start + tree.depths).to(dev), cache,
-                                           tree.ancestor_mask().to(dev))
-            acc = accept(tree, logits, sampling, seq.gen)
-            keep = torch.tensor(acc.path, device=dev)  # [K] the accepted path's rows
-            cache.compact(seq.start, keep)
-            if seq.dcache is not None:  # deferred: the next block pass computes their keys/values
-                extend_contexts(seq.drafter, [seq.context_rows(feats[keep])], defer=True)
-            toks = seq.advance(tree, acc, t_draft, time.perf_counter() - t1)
+            toks = decode_step(target, seq, cache)
     finally:
         if not seq.done:
             seq.finish("abort")
+
+
+def decode_step(target: Target, seq: Sequence, cache) -> Iterator[int]:
+    """One step of a prefilled sequence: draft -> build tree -> verify -> accept -> commit; returns
+    its tokens, emitted as they are taken (`Sequence.advance`)."""
+    dev = target.device
+    t0 = time.perf_counter()
+    depth = seq.block_depth()  # the drafter's pass over this step's block, if any
+    states = draft_blocks(seq.drafter, seq.proposer.embed, [seq.draft_job(depth)])[0] if depth else None
+    t_draft = time.perf_counter() - t0
+    tree = seq.propose(states)
+    t1 = time.perf_counter()
+    logits, feats = target.forward(tree.tokens.to(dev), (seq.start + tree.depths).to(dev), cache,
+                                   tree.ancestor_mask().to(dev))
+    acc = accept(tree, logits, seq.sampling, seq.gen)
+    keep = torch.tensor(acc.path, device=dev)  # [K] the accepted path's rows
+    cache.compact(seq.start, keep)
+    if seq.dcache is not None:  # deferred: the next block pass computes their keys/values
+        extend_contexts(seq.drafter, [seq.context_rows(feats[keep])], defer=True)
+    return seq.advance(tree, acc, t_draft, time.perf_counter() - t1)
 
 
 def prefill(target: Target, seq: Sequence, cache) -> int:

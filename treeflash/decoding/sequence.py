@@ -14,8 +14,10 @@ from typing import Iterator
 
 import torch
 
+from ..config import GenerationConfig
 from ..errors import TreeflashError
 from ..models.drafter import DraftCache, Drafter
+from ..models.target import Target
 from .proposers import Proposer
 from .sampling import SamplingParams
 from .stats import Stats
@@ -75,6 +77,16 @@ class Sequence:
         s.stats.prompt_tokens = len(prompt)
         s.t_start = time.perf_counter()
         return s
+
+    @classmethod
+    def request(cls, target: Target, prompt: list[int], cfg: GenerationConfig, proposer: Proposer, text=None,
+                stop_ids: set[int] | None = None, id: int = 0) -> "Sequence":
+        """A sequence for a request to `target` as `cfg` says (sampling, max_new_tokens, seed); its stop
+        ids: `stop_ids`, else the target's unless `cfg.ignore_eos`."""
+        if stop_ids is None:
+            stop_ids = set() if cfg.ignore_eos else target.stop_ids()
+        return cls.new(prompt, proposer, cfg.sampling(target.vocab_rows), cfg.max_new_tokens, stop_ids,
+                       target.max_length, Stats(), cfg.seed, text, id)
 
     @property
     def drafter(self) -> Drafter | None:

@@ -1,24 +1,20 @@
 """Token ids -> text, for streaming: stop tokens hidden, incomplete UTF-8 and possible stop-string
 starts held back. The decoding sequence feeds each token it emits (`feed`: a stop string ends it
 there, `sequence.Sequence.emit`); readers take the text (`take`). `pieces` is the one loop from a
-generation's tokens to its text: the engine's `stream`/`generate` and the server's worker run it."""
+generation's tokens to its text: the engine's `stream`/`generate` run it."""
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Iterator
 
 
-def pieces(tokens: Iterator[int], text: "TextAssembler", ids: list[int] | None = None,
-           on_token: Callable[[int], bool] | None = None) -> Iterator[str]:
+def pieces(tokens: Iterator[int], text: "TextAssembler", ids: list[int] | None = None) -> Iterator[str]:
     """Text pieces of the generation `tokens` (a generator decoding with `text`, e.g.
     `Engine.tokens(..., text=text)`: it feeds `text` every token), taken from `text` as each token
-    arrives. `ids` (if given) receives every token id, stop tokens too. `on_token(id)` (if given)
-    runs as each token arrives; False drops that token and ends the generation (the server: its client left).
-    Decoding stops (`tokens.close()`) at a stop string, at such an end, or when this generator is
-    closed; the held-back tail comes last."""
+    arrives. `ids` (if given) receives every token id, stop tokens too. Decoding stops
+    (`tokens.close()`) at a stop string or when this generator is closed; the held-back tail comes
+    last."""
     try:
         for t in tokens:
-            if on_token is not None and not on_token(t):
-                break
             if ids is not None:
                 ids.append(t)
             piece = text.take()

@@ -22,7 +22,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .metrics import Metrics
 from .schemas import (MAX_STOP, MAX_STOP_CHARS, ApiError, ChatCompletionRequest, CompletionRequest,
                       GenerationRequest, chat_chunk, chat_response, completion_response, error_body, new_id, usage)
-from .batch_worker import BatchWorker
 from .jobs import Done, Job, ServeConfig
 from .worker import Worker
 
@@ -60,7 +59,7 @@ class BearerAuth:
 
 def create_app(engine, config: ServeConfig) -> FastAPI:
     metrics = Metrics(config.model_name)
-    worker = (BatchWorker if config.max_batch > 1 else Worker)(engine, config, metrics)
+    worker = Worker(engine, config, metrics)
     max_context = engine.target.max_length
 
     @asynccontextmanager

@@ -26,8 +26,8 @@ def register(sub) -> None:
                         "pool holds this many requests of --max-tokens-limit tokens; with --tree-size auto each "
                         "request's tree shrinks as the batch fills) (default: 1, one at a time)")
     p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="with --max-batch > 1: most prompt tokens prefilled per step, so a long prompt does not "
-                        "stall the running requests (default: 256)")
+                   help="static and compiled backends: most prompt tokens prefilled per step, so a long prompt does "
+                        "not stall the running requests (default: 256)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
 
@@ -121,7 +121,7 @@ def _prepare_app(args, config, create_app):
     batched steps): all the torch work before serving."""
     engine = _load_engine(args)
     from ..api import generation_config
-    from .batch_worker import check_batchable
+    from .worker import check_batchable
 
     check_batchable(engine, config.max_batch)  # before the (slow) --tree-size auto calibration
     config.generation = generation_config(engine, args)  # checked; --tree-size auto resolved

@@ -1,7 +1,7 @@
 """What the server runs: its configuration (`ServeConfig`), a request to generate (`Job`) and how
 it ended (`Done`).
 
-Shared by the HTTP app and both workers, so none of them imports another for its types.
+Shared by the HTTP app and the worker.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ class ServeConfig:
     max_prompt_tokens: int | None = None  # None -> the context window
     api_key: str | None = None
     max_queue: int = 64             # more waiting requests -> 429
-    max_batch: int = 1              # > 1: continuous batching (`batch_worker.BatchWorker`)
-    prefill_chunk: int = 256        # batching: most prompt tokens prefilled per step
+    max_batch: int = 1              # requests decoded together (`worker.Worker`; > 1: continuous batching)
+    prefill_chunk: int = 256        # static and compiled backends: most prompt tokens prefilled per step
     # --tree-size auto with max_batch > 1: the `api.AutoChoice` the per-step budgets follow
     auto_budget: object | None = None
 
