@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import drafter_io
-from .attention import linear, stacked_attention
+from .attention import apply_rope, linear, stacked_attention
 from .cpu import UPCAST_MIN_ROWS, upcast_pays
 from .drafter_config import DrafterConfig
 
@@ -52,12 +52,6 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) ->
     freqs = positions.float()[:, None] * inv[None, :]  # [T, D/2]
     emb = torch.cat([freqs, freqs], -1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, D]; cos/sin [T, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 class Attention(nn.Module):

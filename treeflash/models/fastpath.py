@@ -37,7 +37,7 @@ from torch import nn
 from ..errors import TreeflashError
 from .aot import PackagedSteps
 from .aot import enabled as aot_enabled
-from .attention import linear, stacked_attention
+from .attention import apply_rope, linear, stacked_attention
 from .cpu import UPCAST_MIN_ROWS, upcast_pays
 from .inductor import compile_frozen, cpp_gemm_supported
 from .kvcache import StaticKV, attention_mask
@@ -59,12 +59,6 @@ def supported(config) -> bool:
     """Llama-family decoder with full attention in every layer (no sliding window)."""
     layer_types = getattr(config, "layer_types", None) or []
     return config.model_type in SUPPORTED and all(t == "full_attention" for t in layer_types)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, D]; cos/sin broadcastable to it (rotate-half convention, as Llama/Qwen)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def fuse_linears(parts: list[nn.Linear]) -> nn.Linear | None:
