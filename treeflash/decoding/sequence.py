@@ -127,7 +127,7 @@ class Sequence:
 
     def max_depth(self) -> int:
         """How deep this step's tree may go: the tokens still wanted and the context window."""
-        return min(self.max_new_tokens - self.stats.new_tokens - 1, self.limit - self.start - 2)
+        return min(self.max_new_tokens - len(self.tokens) - 1, self.limit - self.start - 2)
 
     def block_depth(self) -> int:
         """Masks of this step's drafter block (0: no drafter pass)."""
@@ -170,14 +170,15 @@ class Sequence:
         """Emit tokens one by one, up to the first that ends the sequence: a stop id (emitted) or
         the last of a stop string (`text`); at the last, max_new_tokens or a full context window
         ends it. The sequence has ended before its last token is handed out; a token counts once
-        it is taken, so a reader that stops early (a cancel) leaves the rest uncounted."""
+        it is taken, so a reader that stops early (a cancel) leaves the rest uncounted. The limits
+        count this sequence's tokens (`stats.new_tokens` says them; a caller may reuse its stats)."""
         for i, tok in enumerate(toks):
-            self.stats.new_tokens += 1
             self.history.append(tok)
             self.tokens.append(tok)
+            self.stats.new_tokens = len(self.tokens)
             if tok in self.stop_ids or (self.text is not None and self.text.feed(tok)):
                 self.finish("stop")
-            elif i == len(toks) - 1 and (self.stats.new_tokens >= self.max_new_tokens or self.start + 1 >= self.limit):
+            elif i == len(toks) - 1 and (len(self.tokens) >= self.max_new_tokens or self.start + 1 >= self.limit):
                 self.finish("length")
             yield tok
             if self.done:
