@@ -4,7 +4,7 @@
 1. decode: one drafter pass over every block (`Drafter.draft_blocks`), each proposer builds its
    tree, ONE target forward verifies all trees (ragged rows in pool slots, each seeing its
    sequence's context and its tree ancestors; `FastPath.forward_rows`, compiled graphs on the
-   compiled backends), each sequence accepts with its own sampler and RNG (`verify.accept`), the
+   compiled backends), each sequence accepts with its own sampler and RNG (`sampling.accept`), the
    pool keeps the accepted paths, the drafter contexts grow (one pass), and each
    `sequence.Sequence` emits its tokens by the rules the bs=1 loop runs too;
 2. admit: waiting requests whose worst case fits the slot pool (`models/batchcache.py`) join;
@@ -30,9 +30,9 @@ from ..models.drafter import Drafter
 from ..models.fastpath import BUCKETS, FastPath
 from ..models.target import Target
 from .proposers import Proposer, make_proposer
+from .sampling import accept
 from .sequence import Sequence, prefill_chunks
 from .stats import Stats
-from .verify import accept
 
 
 class Rows:

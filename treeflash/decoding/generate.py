@@ -14,10 +14,9 @@ import torch
 
 from ..models.target import Target
 from .proposers import Proposer
-from .sampling import SamplingParams
+from .sampling import SamplingParams, accept
 from .sequence import Sequence
 from .stats import Stats
-from .verify import accept
 
 
 @torch.no_grad()  # also for callers that forget it: autograd bookkeeping slows every step

@@ -20,10 +20,9 @@ import torch
 from ..errors import TreeflashError
 from ..models.drafter import DraftCache, Drafter
 from .proposers import Proposer
-from .sampling import SamplingParams, choose
+from .sampling import Acceptance, SamplingParams, choose
 from .stats import Stats
 from .trees import Tree
-from .verify import Acceptance
 
 
 def check_request(prompt_ids: list[int], max_new_tokens: int, limit: int) -> None:
