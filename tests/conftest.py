@@ -99,6 +99,13 @@ def vanilla(target, prompt, n, sampling=SamplingParams(), seed=None):
     return run(target, Vanilla(None, target.embed, target.lm_head, TreeParams()), prompt, n, sampling, seed)
 
 
+def block_states(proposer, cache, root: int, start: int, depth: int) -> torch.Tensor:
+    """The drafter's states [depth+1, H] of one block [root, MASK x depth] at `start`, as the decoding
+    loops draft it (`Sequence.draft_block`, `Drafter.draft_blocks`)."""
+    d, embed = proposer.drafter, proposer.embed
+    return d.draft_blocks([(cache, embed(d.block_ids(root, depth, embed.weight.device)), start)])[0]
+
+
 def oracle(method, target, drafter, reference, budget, top_m=4, top_k=4):
     """A drafter method biased towards `reference`; `NAME+lookup` adds (unbiased) lookup branches."""
     base, _, plus = method.partition("+")

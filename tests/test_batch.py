@@ -222,12 +222,18 @@ def test_a_long_prompt_does_not_stall_the_batch(setup):
     assert dec.running[long].filled == 120
 
 
-def test_prefill_chunk_must_be_positive_and_prompts_non_empty(setup):
+def test_prefill_chunk_must_be_positive_prompts_non_empty_and_one_drafter(setup):
+    """One drafter pass per step: a proposer that drafts with another drafter than the decoder's is refused."""
+    import copy
+
     target, drafter, _ = setup
     with pytest.raises(TreeflashError, match="prefill_chunk"):
         BatchDecoder(target, drafter, prefill_chunk=0)
     with pytest.raises(TreeflashError, match="empty prompt"):
         BatchDecoder(target, drafter).add([], GenerationConfig(method="treeflash", tree_size=4))
+    other = make_proposer("chain", copy.deepcopy(drafter), target.embed, target.lm_head, TreeParams(4))
+    with pytest.raises(TreeflashError, match="one drafter"):
+        BatchDecoder(target, drafter).add([5, 6], proposer=other)
 
 
 def test_chunked_prefill_gives_the_drafter_the_whole_context(setup):
@@ -245,7 +251,7 @@ def test_chunked_prefill_gives_the_drafter_the_whole_context(setup):
         while dec.running.get(sid) is None or dec.running[sid].prefilling:
             dec.step()
         seq = dec.running[sid]
-        states.append((seq.dcache, dec._draft([seq])[sid]))
+        states.append((seq.dcache, dec._draft([seq])[seq]))
     (whole, h_whole), (chunked, h_chunked) = states
     assert whole.length == chunked.length == len(prompt)
     for i in range(len(drafter.model.layers)):
@@ -360,9 +366,8 @@ def test_needs_a_fastpath_backend_and_a_pool_large_enough():
 
 
 def test_one_drafter_pass_drafts_what_each_block_drafts_alone():
-    """`draft_blocks` (all blocks in one pass, each seeing its own context) and `extend_contexts`
-    (all contexts' keys / values in one pass) against the drafter run per sequence."""
-    from treeflash.decoding.batch import draft_blocks, extend_contexts
+    """`Drafter.draft_blocks` (all blocks in one pass, each seeing its own context) and
+    `extend_contexts` (all contexts' keys / values in one pass) against the drafter run per sequence."""
     from treeflash.models.drafter import DraftCache
 
     target = tiny_target("qwen2")
@@ -376,14 +381,13 @@ def test_one_drafter_pass_drafts_what_each_block_drafts_alone():
         for n in (lens, [3, 1, 2]):  # a prompt, then a step's accepted rows
             feats = [torch.randn(k, width, generator=gen) for k in n]
             pos = [torch.arange(c.length, c.length + k) for c, k in zip(alone, n)]
-            extend_contexts(drafter, list(zip(batch, feats, pos)))
+            drafter.extend_contexts(list(zip(batch, feats, pos)))
             for c, f, p in zip(alone, feats, pos):
                 drafter.extend(c, f, p)
-        jobs = [(c, r, c.length, d) for c, r, d in zip(batch, roots, depths)]
-        got = draft_blocks(drafter, target.embed, jobs)
-        for c, b, r, d, h in zip(alone, batch, roots, depths, got):
-            ids = torch.tensor([r] + [drafter.config.mask_token_id] * d)
-            torch.testing.assert_close(h, drafter.draft(c, target.embed(ids), c.length), atol=1e-5, rtol=1e-5)
+        blocks = [target.embed(torch.tensor([r] + [drafter.config.mask_token_id] * d)) for r, d in zip(roots, depths)]
+        got = drafter.draft_blocks([(c, b, c.length) for c, b in zip(batch, blocks)])
+        for c, b, blk, h in zip(alone, batch, blocks, got):
+            torch.testing.assert_close(h, drafter.draft(c, blk, c.length), atol=1e-5, rtol=1e-5)
             assert b.length == c.length and all(torch.equal(x, y) or torch.allclose(x, y, atol=1e-6)
                                                 for x, y in zip(b.k + b.v, c.k + c.v))
 
@@ -439,13 +443,12 @@ def test_a_failed_shared_forward_is_retried_per_sequence(setup, always):
            for r, g, m in zip(REQS[:3], greedy, methods)]
     forward, faults = dec._forward, [0]
 
-    def flaky(ids_, pos, slots, mask, flat=False):
-        b = dec.cache.seqs.get(ids[1])
-        mine = b is not None and b.table is not None and bool(torch.isin(slots, b.table).any())
-        if mine and (always or not torch.isin(slots, b.table).all()):
+    def flaky(parts, flat=False):
+        mine = any(s.id == ids[1] for s, *_ in parts)
+        if mine and (always or len(parts) > 1):
             faults[0] += 1
             raise RuntimeError("forward fault")
-        return forward(ids_, pos, slots, mask, flat=flat)
+        return forward(parts, flat=flat)
 
     dec._forward = flaky
     toks = {i: [] for i in ids}

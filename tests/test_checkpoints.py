@@ -443,7 +443,7 @@ def test_draft_vocabulary_round_trips_restricts_proposals_and_rejects_bad_files(
     from treeflash.models.drafter import DraftCache
     from treeflash.models.drafter import load_drafter
     from treeflash.models.drafter_io import DRAFT_VOCAB_NAME
-    from conftest import run, tiny_drafter, tiny_target, vanilla
+    from conftest import block_states, run, tiny_drafter, tiny_target, vanilla
 
     target = tiny_target("llama", logit_scale=3.0)
     d = tiny_drafter(target)
@@ -455,10 +455,10 @@ def test_draft_vocabulary_round_trips_restricts_proposals_and_rejects_bad_files(
     p = make_proposer("marginal", loaded, target.embed, target.lm_head, TreeParams(12))
     cache = DraftCache(1)
     loaded.extend(cache, torch.randn(6, 2 * 64), torch.arange(6))
-    tree = p.propose(5, 6, 7, states=p.draft_states(cache, 5, 6, p.block_depth(7)))
+    tree = p.propose(5, 6, 7, states=block_states(p, cache, 5, 6, p.block_depth(7)))
     assert len(tree) == 12 and all(int(t) % 3 == 0 for t in tree.tokens[1:])
     full = make_proposer("marginal", loaded, target.embed, target.lm_head, TreeParams(12, draft_vocab=False))
-    assert any(int(t) % 3 for t in full.propose(5, 6, 7, states=full.draft_states(cache, 5, 6, full.block_depth(7))).tokens[1:])
+    assert any(int(t) % 3 for t in full.propose(5, 6, 7, states=block_states(full, cache, 5, 6, full.block_depth(7))).tokens[1:])
     prompt = list(range(3, 30, 2))
     assert run(target, p, prompt, 24) == vanilla(target, prompt, 24)  # still lossless
 
@@ -487,7 +487,7 @@ def test_factored_correction_and_prev_table_match_the_plain_correction():
     follows weight updates."""
     from treeflash.decoding.heads import DraftHeads
     from treeflash.decoding.proposers import TreeParams, make_proposer
-    from conftest import tiny_drafter, tiny_target
+    from conftest import block_states, tiny_drafter, tiny_target
 
     torch.manual_seed(0)
     target = tiny_target("llama")
@@ -518,7 +518,7 @@ def test_factored_correction_and_prev_table_match_the_plain_correction():
     p = make_proposer("treeflash", d, target.embed, target.lm_head,
                       TreeParams(10, top_m=3, top_k=3, stage2_vocab=8))
     roots = (5, 6)  # 6 is in the draft vocabulary: the root's half comes from the table too
-    trees = [p.propose(r, 6, 4, states=p.draft_states(cache, r, 6, p.block_depth(4))) for r in roots]
+    trees = [p.propose(r, 6, 4, states=block_states(p, cache, r, 6, p.block_depth(4))) for r in roots]
     # over draft-vocabulary columns (the table's previous-token halves, the draft head's rows) stage 2
     # equals stage 2 over the same tokens' ids (halves computed per row, the LM head's rows)
     h, prev = torch.randn(5, 64), torch.arange(9).view(3, 3)  # [D+1, H], [D-1, m] columns (tokens 0, 2, ..)
@@ -530,7 +530,7 @@ def test_factored_correction_and_prev_table_match_the_plain_correction():
     p.draft_heads.PREV_TABLE_MAX_BYTES = 0  # no table: the previous-token half is computed per row
     assert p.draft_heads.prev_table() is None
     for r, tree in zip(roots, trees):
-        again = p.propose(r, 6, 4, states=p.draft_states(cache, r, 6, p.block_depth(4)))
+        again = p.propose(r, 6, 4, states=block_states(p, cache, r, 6, p.block_depth(4)))
         assert torch.equal(tree.tokens, again.tokens) and torch.equal(tree.parents, again.parents)
 
 

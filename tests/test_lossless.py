@@ -6,7 +6,7 @@ import torch
 from treeflash.decoding.stats import Stats
 from treeflash.decoding.proposers import TreeParams, make_proposer
 
-from conftest import oracle, run, tiny_drafter, tiny_target, vanilla
+from conftest import block_states, oracle, run, tiny_drafter, tiny_target, vanilla
 
 METHODS = ["chain", "marginal", "treeflash"]
 BUDGETS = [1, 2, 5, 16, 33]
@@ -62,7 +62,7 @@ def test_stage2_vocabulary_is_lossless_and_matches_full_when_wide(setup):
     cache = DraftCache(1)
     feats = torch.randn(len(PROMPT), 2 * target.config.hidden_size)
     drafter.extend(cache, feats, torch.arange(len(PROMPT)))
-    h = full.draft_states(cache, PROMPT[-1], len(PROMPT), 7)
+    h = block_states(full, cache, PROMPT[-1], len(PROMPT), 7)
     a, b = full.heads(h, PROMPT[-1]), wide.heads(h, PROMPT[-1])
     assert torch.equal(a.next_tok, b.next_tok) and torch.equal(a.first_tok, b.first_tok)
     torch.testing.assert_close(a.next_logp, b.next_logp)
@@ -243,7 +243,7 @@ def test_compiled_treeflash_heads_build_the_eager_tables():
     assert p.compiled == (3, False)
     cache = DraftCache(len(drafter.model.layers))
     drafter.extend(cache, torch.randn(len(PROMPT), drafter.model.fc.in_features), torch.arange(len(PROMPT)))
-    h = p.draft_states(cache, PROMPT[-1], len(PROMPT), 7)  # [8, H]
+    h = block_states(p, cache, PROMPT[-1], len(PROMPT), 7)  # [8, H]
     assert PROMPT[-1] % 2 == 1
     roots = (PROMPT[-1], 2)  # odd: in the draft vocabulary; even: outside it
     for root, depth in itertools.product(roots, (3, 2, 1)):

@@ -638,8 +638,8 @@ def test_load_bench_compare_draws_earlier_runs(tmp_path, capsys):
 def test_a_failing_request_leaves_its_batch_mates_alone(batch_server, reference, monkeypatch):
     """B's sampler raises (a fault of B's alone) while A streams beside it: A's answer is its solo
     answer, B gets a JSON error, the pool is whole, and /health and /metrics agree on idle."""
-    import treeflash.decoding.batch as batch_mod
-    import treeflash.decoding.verify as verify_mod
+    import treeflash.decoding.sampling as sampling_mod
+    import treeflash.decoding.sequence as sequence_mod
 
     server = batch_server
 
@@ -650,8 +650,8 @@ def test_a_failing_request_leaves_its_batch_mates_alone(batch_server, reference,
             return choose(logits, p, gen)
         return wrapped
 
-    monkeypatch.setattr(batch_mod, "choose", faulty(batch_mod.choose))
-    monkeypatch.setattr(verify_mod, "choose", faulty(verify_mod.choose))
+    monkeypatch.setattr(sequence_mod, "choose", faulty(sequence_mod.choose))
+    monkeypatch.setattr(sampling_mod, "choose", faulty(sampling_mod.choose))
     got = {}
     a = threading.Thread(target=stream_chat, args=(server, PROMPTS[0], LIMIT, got))
     a.start()

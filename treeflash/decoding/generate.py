@@ -13,12 +13,10 @@ from typing import Iterator
 import torch
 
 from ..models.target import Target
-from .drafting import draft_blocks, extend_contexts
 from .proposers import Proposer
-from .sampling import SamplingParams, choose
+from .sampling import SamplingParams, accept
 from .sequence import Sequence
 from .stats import Stats
-from .verify import accept
 
 
 @torch.no_grad()  # also for callers that forget it: autograd bookkeeping slows every step
@@ -32,7 +30,7 @@ def decode(target: Target, proposer: Proposer, prompt_ids: list[int], max_new_to
                        stats if stats is not None else Stats(), seed, text)
     cache = target.new_cache(seq.reserved)
     try:  # the stats are complete also when the consumer closes the generator early (a cancel)
-        toks = seq.first(prefill(target, seq, cache))
+        toks = prefill(target, seq, cache)
         while True:
             yield from toks
             if seq.done:
@@ -49,29 +47,23 @@ def decode_step(target: Target, seq: Sequence, cache) -> Iterator[int]:
     dev = target.device
     t0 = time.perf_counter()
     depth = seq.block_depth()  # the drafter's pass over this step's block, if any
-    states = draft_blocks(seq.drafter, seq.proposer.embed, [seq.draft_job(depth)])[0] if depth else None
+    states = seq.drafter.draft_blocks([seq.draft_block(depth)])[0] if depth else None
     t_draft = time.perf_counter() - t0
     tree = seq.propose(states)
     t1 = time.perf_counter()
-    logits, feats = target.forward(tree.tokens.to(dev), (seq.start + tree.depths).to(dev), cache,
-                                   tree.ancestor_mask().to(dev))
+    ids, pos, mask = (x.to(dev) for x in seq.tree_rows(tree))
+    logits, feats = target.forward(ids, pos, cache, mask)
     acc = accept(tree, logits, seq.sampling, seq.gen)
     keep = torch.tensor(acc.path, device=dev)  # [K] the accepted path's rows
     cache.compact(seq.start, keep)
     if seq.dcache is not None:  # deferred: the next block pass computes their keys/values
-        extend_contexts(seq.drafter, [seq.context_rows(feats[keep])], defer=True)
+        seq.drafter.extend_contexts([seq.context_rows(feats[keep])], defer=True)
     return seq.advance(tree, acc, t_draft, time.perf_counter() - t1)
 
 
-def prefill(target: Target, seq: Sequence, cache) -> int:
-    """The prompt's KV cache and its features for the drafter; returns the first token."""
+def prefill(target: Target, seq: Sequence, cache) -> Iterator[int]:
+    """The whole prompt in one forward (`Sequence.prefilled`): returns the first token, to emit."""
     t0 = time.perf_counter()
-    ids = torch.tensor(seq.prompt, device=target.device)        # [P]
-    pos = torch.arange(len(seq.prompt), device=target.device)   # [P]
+    ids, pos = (x.to(target.device) for x in seq.prompt_rows(len(seq.prompt)))  # [P] each
     logits, feats = target.forward(ids, pos, cache)
-    if seq.dcache is not None:
-        seq.drafter.extend(seq.dcache, feats, pos)
-    seq.filled = len(seq.prompt)
-    root = choose(logits[-1], seq.sampling, seq.gen)
-    seq.stats.prefill_s = time.perf_counter() - t0
-    return root
+    return seq.prefilled(logits, feats, t0)

@@ -16,7 +16,7 @@ import torch
 
 from ..config import TreeParams  # the proposer's parameters (checked with the rest of a GenerationConfig)
 from ..errors import TreeflashError
-from ..models.drafter import DraftCache, Drafter
+from ..models.drafter import Drafter
 from ..options import DRAFTER_METHODS, check_method
 from .heads import DraftHeads
 from .lookup import Branches, LookupIndex, LookupParams, LookupScores
@@ -26,13 +26,6 @@ from .trees import (Tree, TransitionTables, best_first, chain_transitions, margi
 
 def root_only(root_token: int) -> Tree:
     return Tree(torch.tensor([root_token]), torch.tensor([-1]), torch.tensor([0]))
-
-
-def block_ids(drafter: Drafter, root: int, depth: int, device) -> torch.Tensor:
-    """[depth+1] long: a step's drafter block [root, MASK x depth]."""
-    ids = torch.full((depth + 1,), drafter.config.mask_token_id, dtype=torch.long, device=device)
-    ids[0] = root
-    return ids
 
 
 class Proposer:
@@ -101,11 +94,6 @@ class Proposer:
     def lookup_branches(self, history: list[int], max_depth: int) -> Branches:
         self.index.sync(history)
         return self.index.branches(max_depth)
-
-    def draft_states(self, cache: DraftCache, root_token: int, start: int, depth: int) -> torch.Tensor:
-        """One drafter pass over [root, MASK x depth] -> pre-norm states h [depth+1, H]."""
-        ids = block_ids(self.drafter, root_token, depth, self.embed.weight.device)
-        return self.drafter.draft(cache, self.embed(ids), start)
 
     def marginal_logp(self, h: torch.Tensor) -> torch.Tensor:
         """h [D+1, H] -> log-probs [D, V] for depths 1..D (-inf outside the draft vocabulary)."""

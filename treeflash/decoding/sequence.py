@@ -2,14 +2,17 @@
 loop (`generate.decode`) and the batched step (`batch.BatchDecoder`) both run on it.
 
 The rules: what a request may ask (`check_request`), the KV reservation (the tokens wanted, then
-the proposer's rows of one tree), the drafter's context (kept where the proposer drafts), how deep
-a step's tree may go, emitting tokens (a stop id, a stop string, max_new_tokens and the context
-window end it) and the stats, closed once when the sequence ends (stop, length, a cancel, an error).
+the proposer's rows of one tree), the prompt's rows and chunks (`prefill_chunks`: how a batch
+shares a step's prefill), what a prefilled chunk does (the drafter's context grows; the last one
+samples the first token), the drafter's context (kept where the proposer drafts) and its block, how
+deep a step's tree may go and where its rows sit, emitting tokens (a stop id, a stop string,
+max_new_tokens and the context window end it) and the stats, closed once when the sequence ends
+(stop, length, a cancel, an error).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -19,10 +22,9 @@ from ..errors import TreeflashError
 from ..models.drafter import DraftCache, Drafter
 from ..models.target import Target
 from .proposers import Proposer
-from .sampling import SamplingParams
+from .sampling import Acceptance, SamplingParams, choose
 from .stats import Stats
 from .trees import Tree
-from .verify import Acceptance
 
 
 def check_request(prompt_ids: list[int], max_new_tokens: int, limit: int) -> None:
@@ -33,6 +35,20 @@ def check_request(prompt_ids: list[int], max_new_tokens: int, limit: int) -> Non
         raise TreeflashError(f"prompt has {len(prompt_ids)} tokens; the context window is {limit}")
     if max_new_tokens < 1:
         raise TreeflashError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def prefill_chunks(seqs: list["Sequence"], budget: int | None) -> list[tuple["Sequence", int]]:
+    """(sequence, prompt tokens to prefill now) for sequences still prefilling, in their order, at
+    most `budget` tokens in all (None: every prompt whole); the first that gets none ends the list."""
+    left = budget if budget is not None else sum(len(s.prompt) for s in seqs)
+    chunks = []
+    for s in seqs:
+        n = min(len(s.prompt) - s.filled, left)
+        if n < 1:
+            break
+        chunks.append((s, n))
+        left -= n
+    return chunks
 
 
 @dataclass(eq=False)
@@ -88,6 +104,15 @@ class Sequence:
         return cls.new(prompt, proposer, cfg.sampling(target.vocab_rows), cfg.max_new_tokens, stop_ids,
                        target.max_length, Stats(), cfg.seed, text, id)
 
+    def set_budget(self, budget: int) -> int:
+        """The tree budget from the next step on (the proposer reads `params.budget` each step),
+        within 1..the budget it was added with (its reservation and drafter context assume at most
+        that); returns the budget set. Any budget is lossless."""
+        budget = max(1, min(int(budget), self.max_budget))
+        if self.proposer.params.budget != budget:
+            self.proposer.params = replace(self.proposer.params, budget=budget)
+        return budget
+
     @property
     def drafter(self) -> Drafter | None:
         return self.proposer.drafter if self.dcache is not None else None
@@ -96,25 +121,46 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.filled < len(self.prompt)
 
+    def prompt_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's next n tokens to prefill: ids [n], positions [n]."""
+        return torch.tensor(self.prompt[self.filled:self.filled + n]), torch.arange(self.filled, self.filled + n)
+
+    def prefilled(self, logits, feats: torch.Tensor | None, t0: float) -> Iterator[int]:
+        """The target holds the prompt's next len(logits) tokens (its logits rows, features [n,
+        taps*H]; prefill began at t0): the drafter's context grows by them; after the prompt's last
+        chunk, the first token is sampled from its last row and emitted (`first`)."""
+        n = len(logits)
+        if self.dcache is not None:
+            self.drafter.extend(self.dcache, feats, torch.arange(self.filled, self.filled + n, device=feats.device))
+        self.filled += n
+        self.stats.prefill_s += time.perf_counter() - t0
+        return iter(()) if self.prefilling else self.first(choose(logits[n - 1], self.sampling, self.gen))
+
     def max_depth(self) -> int:
         """How deep this step's tree may go: the tokens still wanted and the context window."""
-        return min(self.max_new_tokens - self.stats.new_tokens - 1, self.limit - self.start - 2)
+        return min(self.max_new_tokens - len(self.tokens) - 1, self.limit - self.start - 2)
 
     def block_depth(self) -> int:
         """Masks of this step's drafter block (0: no drafter pass)."""
         return self.proposer.block_depth(self.max_depth()) if self.dcache is not None else 0
 
-    def draft_job(self, depth: int) -> tuple[DraftCache, int, int, int]:
-        """This step's block for `drafting.draft_blocks`: (context, root, start, depth)."""
-        return self.dcache, self.history[-1], self.start, depth
+    def draft_block(self, depth: int) -> tuple[DraftCache, torch.Tensor, int]:
+        """This step's drafter block [root, MASK x depth] for `Drafter.draft_blocks`: (context, the
+        block embedded [depth+1, H], start)."""
+        embed = self.proposer.embed
+        return self.dcache, embed(self.drafter.block_ids(self.history[-1], depth, embed.weight.device)), self.start
 
     def propose(self, states: torch.Tensor | None) -> Tree:
         """This step's tree; states [d+1, H]: the drafter's pass over its block (None: none)."""
         return self.proposer.propose(self.history[-1], self.start, self.max_depth(), self.history, states)
 
+    def tree_rows(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A tree's rows in the target's forward: ids [N], positions [N] (start + depth), ancestor mask [N, N]."""
+        return tree.tokens, self.start + tree.depths, tree.ancestor_mask()
+
     def context_rows(self, feats: torch.Tensor) -> tuple[DraftCache, torch.Tensor, torch.Tensor]:
         """The accepted (or prefilled) rows' features [K, taps*H] -> (context, feats, positions [K])
-        for `drafting.extend_contexts`; positions run from `start` (before `advance`)."""
+        for `Drafter.extend_contexts`; positions run from `start` (before `advance`)."""
         return self.dcache, feats, self.start + torch.arange(len(feats), device=feats.device)
 
     def first(self, root: int) -> Iterator[int]:
@@ -135,14 +181,15 @@ class Sequence:
         """Emit tokens one by one, up to the first that ends the sequence: a stop id (emitted) or
         the last of a stop string (`text`); at the last, max_new_tokens or a full context window
         ends it. The sequence has ended before its last token is handed out; a token counts once
-        it is taken, so a reader that stops early (a cancel) leaves the rest uncounted."""
+        it is taken, so a reader that stops early (a cancel) leaves the rest uncounted. The limits
+        count this sequence's tokens (`stats.new_tokens` says them; a caller may reuse its stats)."""
         for i, tok in enumerate(toks):
-            self.stats.new_tokens += 1
             self.history.append(tok)
             self.tokens.append(tok)
+            self.stats.new_tokens = len(self.tokens)
             if tok in self.stop_ids or (self.text is not None and self.text.feed(tok)):
                 self.finish("stop")
-            elif i == len(toks) - 1 and (self.stats.new_tokens >= self.max_new_tokens or self.start + 1 >= self.limit):
+            elif i == len(toks) - 1 and (len(self.tokens) >= self.max_new_tokens or self.start + 1 >= self.limit):
                 self.finish("length")
             yield tok
             if self.done:

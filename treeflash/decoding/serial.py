@@ -52,7 +52,7 @@ class SerialDecoder:
             return {}
         s, target, cache = next(iter(self.running.values())), self.target, self.cache
         try:
-            toks = s.first(prefill(target, s, cache)) if s.prefilling else decode_step(target, s, cache)
+            toks = prefill(target, s, cache) if s.prefilling else decode_step(target, s, cache)
             out = {s.id: list(toks)}
         except Exception as e:  # noqa: BLE001  (its request's error: `Sequence.error`)
             self.fail(s.id, e)

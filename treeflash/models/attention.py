@@ -1,4 +1,4 @@
-"""Attention and projection helpers shared by the target's fast path (`fastpath.FastPath`) and the drafter."""
+"""Attention, rotary and projection helpers shared by the target's fast path (`fastpath.FastPath`) and the drafter."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +18,12 @@ def stacked_attention(q, keys, values, mask=None, scale=None) -> torch.Tensor:
     o = F.scaled_dot_product_attention(q.reshape(1, keys.shape[1], g * n, d), keys, values,
                                        attn_mask=mask, scale=scale)  # [1, Hkv, g*N, D]
     return o.reshape(1, hq, n, d)  # CUDA kernels may return a transposed layout
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, D]; cos/sin broadcastable to it (rotate-half convention, as Llama/Qwen)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:

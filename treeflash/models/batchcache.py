@@ -6,13 +6,15 @@ sequence owns a list of pages; its token at logical index j (= its position j) s
 - `length(seq)`: tokens held, positions 0..length-1;
 - `write(seq, n)`: the slots of logical indices length..length+n-1, where a step writes its n
   new rows (pages taken on demand, lowest free first, so the attended width stays small);
+  `write_rows` does it for every sequence of a forward and returns the forward's mask too;
 - `compact({seq: keep})`: keep the written rows `keep` [K] (in order) at length..length+K-1, then
   hold length+K tokens; pages past them go back to the pool. One gather/scatter per layer for
   the whole batch.
 The target forward (`FastPath._decode`) writes the pool through `update(k, v, layer, slots)`
 (the `KVCache` contract) and attends over slots [:W] under a bool mask [N, W] (`step_mask`):
 a row of sequence s sees s's held slots and, among the step's new rows, its own tree ancestors.
-Admission (`add`) reserves a sequence's worst case in pages, so no step runs out of slots.
+Admission (`admit`, first come first served, each by `add`) reserves a sequence's worst case in
+pages, so no step runs out of slots; `check` refuses one that no pool of this size can hold.
 
 For the compiled backends the pool has `spare` slots past its pages (`for_runner`): a compiled
 step pads its rows to a bucket, and the padding rows write there (`scratch`), and its attended
@@ -102,15 +104,29 @@ class BatchCache:
         """Whether a sequence of at most `need` slots can be added now."""
         return self.reserved_slots + self.pages_for(need) * self.page_size <= self.capacity
 
+    def check(self, need: int) -> None:
+        """Refuse a sequence of up to `need` slots that would not fit even an empty pool."""
+        if self.pages_for(need) * self.page_size > self.capacity:
+            raise TreeflashError(f"a request of up to {need} tokens exceeds the pool ({self.capacity} slots)")
+
     def add(self, seq_id: int, need: int) -> None:
         """Reserve `need` slots (the sequence's worst case) for a new sequence."""
         if seq_id in self.seqs:
             raise TreeflashError(f"sequence {seq_id} is already in the cache")
-        if self.pages_for(need) * self.page_size > self.capacity:
-            raise TreeflashError(f"a sequence of up to {need} tokens exceeds the pool ({self.capacity} slots)")
+        self.check(need)
         if not self.fits(need):
             raise PoolFull(f"{need} slots do not fit: {self.reserved_slots} of {self.capacity} reserved")
         self.seqs[seq_id] = SeqSlots(self.pages_for(need))
+
+    def admit(self, queue) -> list:
+        """Items of a queue (a deque of objects with `id`, and `reserved`: their worst case in slots)
+        leave it from its front, first come first served, while their reservations fit; returns
+        them, reserved (`add`)."""
+        joined = []
+        while queue and self.fits(queue[0].reserved):
+            joined.append(queue.popleft())
+            self.add(joined[-1].id, joined[-1].reserved)
+        return joined
 
     def free(self, seq_id: int) -> None:
         """Give a sequence's pages and reservation back."""
@@ -166,6 +182,12 @@ class BatchCache:
                     t[:, :, dst_t] = t[:, :, src_t]  # the gather copies first: no aliasing
         for seq_id in keeps:
             self._shrink(self.seqs[seq_id])
+
+    def write_rows(self, parts: list[tuple[int, int, torch.Tensor | None]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """parts [(seq, n rows, tree mask [n, n] bool or None: causal)] in row order -> the slots [N]
+        a forward writes its rows to (`write`) and its mask [N, W] (`step_mask`, W: `width`)."""
+        slots = torch.cat([self.write(i, n) for i, n, _ in parts])  # [N]
+        return slots, self.step_mask(parts, slots, self.width([i for i, _, _ in parts]))
 
     def width(self, seq_ids) -> int:
         """Slots a step over these sequences attends to: up to the last page any of them holds."""

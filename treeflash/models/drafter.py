@@ -8,7 +8,10 @@ predicts the token i steps after the last token, through the target's own (share
 Context features enter every layer only as extra keys/values: `hidden_norm(fc(concat(taps)))`
 goes through each layer's k_proj/v_proj (+k_norm, RoPE at the context positions). The block
 attends to all context and bidirectionally to itself. Context keys/values are cached across
-steps (`DraftCache`); the block's own keys/values are never stored.
+steps (`DraftCache`); the block's own keys/values are never stored. One sequence's pass is `draft`
+(its context grows by `extend`); several sequences' blocks go through one pass (`draft_blocks`),
+their contexts' new rows too (`extend_contexts`): the single-sequence loop and the batched step
+call these two.
 
 TreeFlash: `ar_approximation` (SwiGLU over [RMSNorm(emb(prev token)), norm(h)]) is added to the
 residual h before the final norm, turning the marginal at a position into a distribution
@@ -27,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import drafter_io
-from .attention import linear, stacked_attention
+from .attention import apply_rope, linear, stacked_attention
 from .cpu import UPCAST_MIN_ROWS, upcast_pays
 from .drafter_config import DrafterConfig
 
@@ -52,12 +55,6 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) ->
     freqs = positions.float()[:, None] * inv[None, :]  # [T, D/2]
     emb = torch.cat([freqs, freqs], -1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, D]; cos/sin [T, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 class Attention(nn.Module):
@@ -272,6 +269,45 @@ class Drafter(nn.Module):
         for layer, (k, v) in zip(self.model.layers, kv):
             h = layer(h, cos, sin, k, v, mask)
         return h
+
+    def block_ids(self, root: int, depth: int, device) -> torch.Tensor:
+        """[depth+1] long: a step's block [root, MASK x depth]."""
+        ids = torch.full((depth + 1,), self.config.mask_token_id, dtype=torch.long, device=device)
+        ids[0] = root
+        return ids
+
+    @torch.no_grad()
+    def draft_blocks(self, jobs: list[tuple[DraftCache, torch.Tensor, int]]) -> list[torch.Tensor]:
+        """jobs [(context, embedded block [Q_j, H], start)] -> per job the pre-norm states h [Q_j, H]
+        of its block at positions start.., from ONE pass over every block (a block sees its own
+        context and itself). One job alone is `draft` (compiled where the drafter is)."""
+        if len(jobs) == 1:
+            return [self.draft(*jobs[0])]
+        assert all(c.pending is None for c, _, _ in jobs), "batched contexts are extended eagerly"
+        dev = jobs[0][1].device
+        pos = torch.cat([torch.arange(s, s + len(b), device=dev) for _, b, s in jobs])  # [Q]
+        kv = [(torch.cat([c.k[i] for c, _, _ in jobs], 1), torch.cat([c.v[i] for c, _, _ in jobs], 1))
+              for i in range(len(self.model.layers))]                                 # per layer [nkv, C, hd]
+        ctx, blk = [c.k[0].shape[1] for c, _, _ in jobs], [len(b) for _, b, _ in jobs]
+        own = [torch.block_diag(*[torch.ones(r, c, dtype=torch.bool, device=dev) for r, c in zip(blk, cols)])
+               for cols in (ctx, blk)]                                                # [Q, C], [Q, Q]
+        h = self.forward_block(torch.cat([b for _, b, _ in jobs]), pos, kv, torch.cat(own, 1))  # [Q, H]
+        return list(h.split(blk))
+
+    @torch.no_grad()
+    def extend_contexts(self, items: list[tuple[DraftCache, torch.Tensor, torch.Tensor]], defer: bool = False) -> None:
+        """items [(context, feats [K, taps*H], positions [K])]: each context grows by its rows, the
+        keys / values of all of them from one pass. One item alone is `extend` (it may be `defer`red)."""
+        if len(items) == 1:
+            self.extend(*items[0], defer=defer)
+            return
+        sizes = [len(p) for _, _, p in items]
+        kv = self.context_kv(torch.cat([f for _, f, _ in items]), torch.cat([p for _, _, p in items]))
+        for i, (k, v) in enumerate(kv):  # [nkv, sum K, hd]
+            for (cache, _, _), kj, vj in zip(items, k.split(sizes, 1), v.split(sizes, 1)):
+                cache.append(i, kj, vj)
+        for (cache, _, _), n in zip(items, sizes):
+            cache.length += n
 
     def draft(self, cache: DraftCache, block_emb: torch.Tensor, start: int) -> torch.Tensor:
         """One inference pass: block [B, H] at positions start.. -> h [B, H] (pre-norm); appends

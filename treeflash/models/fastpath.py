@@ -5,15 +5,17 @@ mask factory, no per-step cache concatenation, taps read inline instead of by ho
 are written to consecutive slots `start .. start+N-1` of a `kvcache.StaticKV` (positions
 `start + depth`), and its `compact` moves the accepted path to the front of those slots in place.
 
-One decoder function (`_decode`), two modes; both return (logits, features), logits indexable by node:
+One decoder function (`_decode`) over rows at any slots (`forward_rows`; `forward`: one sequence's
+rows at the slots after its cache), two modes; both return (logits, features), logits indexable by node:
 - eager (`compile=False`): attention reads only the live slots `[:start+N]`; any N; the logits are
   a `LazyLogits` (the LM head runs over the rows read).
 - compiled (`compile=True`): `torch.compile` (inductor, freezing) of `_step` = `_decode` plus the LM
   head over every row (a tensor), for a few bucketed tree sizes; attention reads the live slots
   and the step's own, rounded up to `WIDTH_STEP`, under a bool mask. The cache's slot dimension
   and the mask's width are symbolic (`mark_dynamic`), so each bucket compiles once for every
-  capacity and width, and is cached on disk by inductor. Prefill (and any flat sequence of more
-  than one token) runs eagerly.
+  capacity and width, and is cached on disk by inductor. Rows are padded to their bucket by one
+  function (`_padded`) for one sequence and for a batch alike: a padding row writes a free slot
+  and attends to slot 0 alone. Prefill (and any flat sequence of more than one token) runs eagerly.
 - compiled with `cpp_gemm=True` (backend `compiled-cpp`): the same graph, but every matmul is
   inductor's C++ GEMM template (max-autotune with the CPP backend as the only choice, so nothing is
   benchmarked). Where the default kernels cost more with each row (MKL's packed fp32 and ATen's bf16
@@ -37,17 +39,18 @@ from torch import nn
 
 from ..errors import TreeflashError
 from .aot import enabled as aot_enabled
-from .attention import linear, stacked_attention
+from .attention import apply_rope, linear, stacked_attention
+from .batchcache import round_up
 from .cpu import UPCAST_MIN_ROWS, upcast_pays
 from .inductor import compile_frozen, cpp_gemm_supported
-from .kvcache import StaticKV, attention_mask
+from .kvcache import StaticKV, attention_mask, causal
 from .lazy_logits import LazyLogits
 from .steps import PackagedSteps
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64)  # compiled tree sizes; a tree is padded to the next one
 CAPACITY_STEP = 512
-WIDTH_STEP = 64  # a compiled step attends over the slots [:start + bucket] rounded up to this
+WIDTH_STEP = 64  # a compiled step attends over the slots of its mask's width rounded up to this
 GROUPED_MAX_ROWS = 4  # steps of 2..this many rows attend with the query heads of a KV head stacked (`_attend`)
 
 
@@ -60,12 +63,6 @@ def supported(config) -> bool:
     """Llama-family decoder with full attention in every layer (no sliding window)."""
     layer_types = getattr(config, "layer_types", None) or []
     return config.model_type in SUPPORTED and all(t == "full_attention" for t in layer_types)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, D]; cos/sin broadcastable to it (rotate-half convention, as Llama/Qwen)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def fuse_linears(parts: list[nn.Linear]) -> nn.Linear | None:
@@ -99,13 +96,6 @@ class FusedLayer(nn.Module):
         self.qkv = fuse_linears([a.q_proj, a.k_proj, a.v_proj])
         self.gate_up = fuse_linears([m.gate_proj, m.up_proj])
         self.sizes = (a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features)
-
-
-def attention_width(start: int, bucket: int, capacity: int) -> int:
-    """The cache slots a compiled step of `bucket` rows at `start` attends over: the live ones and
-    its own, rounded up to WIDTH_STEP (so the graph's symbolic width takes few values), at most
-    the capacity."""
-    return min(capacity, -(-(start + bucket) // WIDTH_STEP) * WIDTH_STEP)
 
 
 class FastPath:
@@ -142,7 +132,7 @@ class FastPath:
     def new_cache(self, need: int, max_length: int) -> StaticKV:
         if self.compile:  # spare slots: a compiled step's width stays below the capacity (`forward`)
             need += WIDTH_STEP
-        cap = min(max_length + BUCKETS[-1], -(-need // CAPACITY_STEP) * CAPACITY_STEP)
+        cap = min(max_length + BUCKETS[-1], round_up(need, CAPACITY_STEP))
         p = next(self.model.parameters())
         return self.mark_dynamic(StaticKV(len(self.decoder.layers), self.n_kv, self.head_dim, cap, p.dtype, p.device))
 
@@ -235,28 +225,56 @@ class FastPath:
         """ids, positions [N] into slots cache.length.. ; tree_mask [N, N] bool among the new tokens
         (None: causal). Returns (logits, features [N, taps*H] or None). Eager: a `LazyLogits`.
         Compiled: float32 logits [N, V] of every row: inside the compiled graph the LM head uses a
-        prepacked weight, so one pass over the tree costs about what one row costs eagerly."""
-        n, taps, start = len(ids), tuple(tap_ids), cache.length
+        prepacked weight, so one pass over the tree costs about what one row costs eagerly. The
+        rows of `forward_rows`: slots start..start+N-1, each seeing the held slots and its
+        ancestors (`kvcache.attention_mask`); a compiled bucket's padding rows write the slots after."""
+        n, start = len(ids), cache.length
         end = start + n
         if end > cache.capacity:
             raise TreeflashError(f"KV cache of {cache.capacity} slots is full (needed {end})")
-        bucket = self.bucket(n)
-        flat_prefill = tree_mask is None and n > 1
-        # compiled where the width stays below the capacity: a slice of the whole cache would be
-        # contiguous, a case the graph is not compiled for (it would recompile)
-        if (self.compile and not flat_prefill and bucket is not None
-                and attention_width(start, bucket, cache.capacity) < cache.capacity):
-            logits, feats = self._run_compiled(cache, ids, positions, start, tree_mask, taps, bucket)
-        else:
-            logits, feats = self._run_eager(cache, ids, positions, start, tree_mask, taps, flat_prefill)
+        mask = attention_mask(start, tree_mask, torch.empty(n, end, dtype=torch.bool, device=ids.device))  # [N, end]
+        slots = torch.arange(start, min(end + BUCKETS[-1], cache.capacity), device=ids.device)  # its own, then free
+        logits, feats = self.forward_rows(cache, ids, positions, slots[:n], mask, tap_ids, slots[n:],
+                                          flat=tree_mask is None and n > 1)
         cache.length = end
-        return logits, (feats if taps else None)
+        return logits, (feats if tap_ids else None)
 
-    def _run_eager(self, cache, ids, positions, start, tree_mask, taps, flat_prefill):
-        n, dev = len(ids), ids.device
-        mask = attention_mask(start, tree_mask, torch.empty(n, start + n, dtype=torch.bool, device=dev))
-        slots = torch.arange(start, start + n, device=dev)
-        return self._eager_rows(cache, ids, positions, slots, mask, taps, flat_prefill)
+    @torch.no_grad()
+    def forward_rows(self, cache: StaticKV, ids, pos, slots, mask, tap_ids, scratch: torch.Tensor,
+                     flat: bool = False):
+        """Rows ids, pos, slots [N] at any slots of the cache (a batch pool's, `decoding/batch.py`, or
+        one sequence's, `forward`), mask [N, W] bool over its slots [:W]; `scratch` [S] long: slots
+        that no row holds or sees, where a compiled bucket's padding rows write. Returns (logits
+        indexable by row, features [N, taps*H]).
+
+        Compiled where a bucket holds the N rows, the scratch slots its padding rows (`_padded`), and
+        the width rounded up to WIDTH_STEP stays below the cache's size (a slice of the whole cache
+        would be contiguous, a case the graph is not compiled for). Flat (a prefill or a prefill
+        chunk), more rows than any bucket, or eager backends: eagerly."""
+        n, taps = len(ids), tuple(tap_ids)
+        bucket = self.bucket(n) if self.compile and not flat else None
+        width = round_up(mask.shape[1], WIDTH_STEP)
+        if bucket is None or width >= cache.capacity or len(scratch) < bucket - n:
+            return self._eager_rows(cache, ids, pos, slots, mask, taps, flat)
+        step_inputs = self._padded(cache, ids, pos, slots, mask, bucket, width, scratch)
+        logits, feats = self._compiled_step(taps)(*step_inputs, cache, taps)
+        return logits[:n], feats[:n]
+
+    def _padded(self, cache: StaticKV, ids, pos, slots, mask, bucket: int, width: int, scratch: torch.Tensor):
+        """The compiled step's inputs: the rows padded to `bucket` rows, the mask to `width` columns,
+        in the cache's reused buffers (`StaticKV.inputs`) -> ids, pos, slots [Nb], mask [Nb, width]
+        (contiguous, its width symbolic). A padding row is token 0 at the last row's position; it
+        writes a scratch slot and attends to slot 0 alone: no row sees it, its outputs are dropped."""
+        n, b = len(ids), cache.inputs(bucket)
+        m = b["mask"].view(-1)[:bucket * width].view(bucket, width)  # [Nb, W'], contiguous
+        torch._dynamo.mark_dynamic(m, 1)  # W' is symbolic: no compile per width
+        m.zero_()
+        m[:n, :mask.shape[1]] = mask
+        m[n:, 0] = True
+        b["ids"][:n], b["ids"][n:] = ids, 0
+        b["pos"][:n], b["pos"][n:] = pos, pos[-1]
+        b["slots"][:n], b["slots"][n:] = slots, scratch[:bucket - n]
+        return b["ids"], b["pos"], b["slots"], m
 
     def _eager_rows(self, cache, ids, pos, slots, mask, taps, flat: bool):
         """Eager `_decode` of rows ids, pos, slots [N] under mask [N, W] -> (LazyLogits, features
@@ -267,33 +285,6 @@ class FastPath:
             x = x.float()
         h, feats = self._decode(x, pos, slots, mask, cache, taps)
         return LazyLogits(h.to(dtype), self.model.get_output_embeddings()), feats.to(dtype)
-
-    @torch.no_grad()
-    def forward_rows(self, cache: StaticKV, ids, pos, slots, mask, tap_ids, scratch: torch.Tensor,
-                     flat: bool = False):
-        """A batched step's forward (`decoding/batch.py`): rows ids, pos, slots [N] at any slots of a
-        pool, mask [N, W] bool over its slots [:W]; `scratch` [>= largest bucket] long: slots on no
-        sequence's page. Returns (logits indexable by row, features [N, taps*H]).
-
-        Compiled where a bucket holds the N rows and the rounded width stays below the pool's size
-        (the same graphs as bs=1 steps: `warm` compiles them): rows are padded to the bucket, and a
-        padding row writes a scratch slot and attends to slot 0 only. Flat (a prefill chunk), more
-        rows than any bucket, or eager backends: eagerly."""
-        n, w, taps = len(ids), mask.shape[1], tuple(tap_ids)
-        bucket = self.bucket(n) if self.compile and not flat else None
-        width = -(-w // WIDTH_STEP) * WIDTH_STEP
-        if bucket is None or width >= cache.capacity or len(scratch) < bucket - n:
-            return self._eager_rows(cache, ids, pos, slots, mask, taps, flat)
-        pad = bucket - n
-        m = torch.zeros(bucket, width, dtype=torch.bool, device=mask.device)  # [Nb, W'], contiguous
-        m[:n, :w] = mask
-        m[n:, 0] = True
-        torch._dynamo.mark_dynamic(m, 1)  # W' is symbolic: no compile per width
-        ids = torch.cat([ids, ids.new_zeros(pad)])                 # [Nb]
-        pos = torch.cat([pos, pos[-1:].expand(pad)])               # [Nb]
-        slots = torch.cat([slots, scratch[:pad].to(slots.device)])  # [Nb]
-        logits, feats = self._compiled_step(taps)(ids, pos, slots, m, cache, taps)
-        return logits[:n], feats[:n]
 
     @torch.no_grad()  # as `forward` runs: grad mode is part of what a compiled graph checks
     def warm(self, sizes, tap_ids: list[int]) -> None:
@@ -308,27 +299,8 @@ class FastPath:
             return
         cache = self.new_cache(CAPACITY_STEP, CAPACITY_STEP)
         dev = cache.k[0].device
-        for b in sorted(todo):
-            self._run_compiled(cache, torch.zeros(b, dtype=torch.long, device=dev), torch.arange(b, device=dev),
-                               0, None, taps, b)
+        for b in sorted(todo):  # a chain of b rows from slot 0: a whole bucket, no padding
+            rows = torch.arange(b, device=dev)
+            self.forward_rows(cache, torch.zeros(b, dtype=torch.long, device=dev), rows, rows, causal(b, dev), taps,
+                              rows[:0])
         self._warmed.setdefault(taps, set()).update(todo)
-
-    def _run_compiled(self, cache, ids, positions, start, tree_mask, taps, bucket):
-        n = len(ids)
-        b = cache.inputs(bucket)  # preallocated per cache and bucket: no per-step allocation
-        width = attention_width(start, bucket, cache.capacity)
-        mask = b["mask"].view(-1)[:bucket * width].view(bucket, width)  # [Nb, W], contiguous
-        torch._dynamo.mark_dynamic(mask, 1)  # W is symbolic: no compile per width
-        attention_mask(start, tree_mask, mask[:n])
-        pad = bucket - n
-        b["ids"][:n] = ids
-        b["pos"][:n] = positions
-        if pad:  # padded rows see the context and their own slot; their cache slots are scratch
-            mask[n:] = False
-            mask[n:, :start] = True
-            mask[b["rows"][n:], start + b["rows"][n:]] = True
-            b["ids"][n:] = 0
-            b["pos"][n:] = positions[-1]
-        torch.add(b["rows"], start, out=b["slots"])
-        logits, feats = self._compiled_step(taps)(b["ids"], b["pos"], b["slots"], mask, cache, taps)
-        return logits[:n], feats[:n]

@@ -93,14 +93,13 @@ class StaticKV(KVCache):
         self.length = length
 
     def inputs(self, bucket: int) -> dict[str, torch.Tensor]:
-        """Reused input buffers of the compiled step for one bucket size: mask [Nb, capacity] bool,
-        ids, pos, slots, rows (0..Nb-1) [Nb] long."""
+        """Reused input buffers of the compiled step for one bucket size (`FastPath._padded`): mask
+        [Nb, capacity] bool, ids, pos, slots [Nb] long."""
         if bucket not in self._inputs:
             dev = self.k[0].device
             z = torch.zeros(bucket, dtype=torch.long, device=dev)
             self._inputs[bucket] = {"mask": torch.zeros(bucket, self.capacity, dtype=torch.bool, device=dev),
-                                    "ids": z.clone(), "pos": z.clone(), "slots": z.clone(),
-                                    "rows": torch.arange(bucket, device=dev)}
+                                    "ids": z.clone(), "pos": z.clone(), "slots": z.clone()}
         return self._inputs[bucket]
 
 
