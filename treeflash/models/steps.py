@@ -1,9 +1,10 @@
 """The target's compiled step (`FastPath._step`): what `FastPath` calls for a compiled forward.
 
-- With packages on (`aot.enabled`, the CPU): two AOTInductor packages per target, built once per
-  machine (`aot.Packaged`): one row (plain decoding), and every tree of 2 to `MAX_ROWS` rows (the
-  row count symbolic, so a tree is never padded). In both, the attended width and the cache's
-  capacity are symbolic.
+- With packages on (`aot.enabled`, the CPU): one AOTInductor package per target and taps, built once
+  per machine (`aot.Packaged`), for 2 to `MAX_ROWS` rows (the row count symbolic, so a tree is never
+  padded to a bucket; a one-row step runs as two rows, the second a padding row: on the CPU it costs
+  about what one row costs, and it saves a second package of the weights). The attended width and
+  the cache's capacity are symbolic too.
 - Otherwise: one `torch.compile` of `_step` (frozen weights), specialised per bucketed row count.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ class StepModule(torch.nn.Module):
         return self.fastpath._step(ids, pos, slots, mask, flat_cache(kv), self.taps, self.stacked)
 
 
-def example(fastpath, rows: int, dynamic_rows: bool) -> tuple:
+def example(fastpath, rows: int) -> tuple:
     """Export inputs (a chain of `rows` rows after 64 cached slots) and their dynamic shapes."""
     from torch.export import Dim
 
@@ -51,29 +52,25 @@ def example(fastpath, rows: int, dynamic_rows: bool) -> tuple:
     pos = torch.arange(start, start + rows, device=p.device)  # [N]
     args = (torch.zeros(rows, dtype=torch.long, device=p.device), pos, pos.clone(), mask, *kv)
     width, slots = Dim("width", min=MIN_WIDTH, max=1 << 20), Dim("slots", min=MIN_SLOTS, max=1 << 20)
-    n = {0: Dim("rows", min=2, max=MAX_ROWS)} if dynamic_rows else {}
-    shapes = (n or None, n or None, n or None, {**n, 1: width}, tuple({2: slots} for _ in kv))
-    return args, shapes
+    n = {0: Dim("rows", min=2, max=MAX_ROWS)}
+    return args, (n, n, n, {**n, 1: width}, tuple({2: slots} for _ in kv))
 
 
 class PackagedSteps:
-    """The target's step as two packages (`aot.Packaged`): one row, and 2..MAX_ROWS rows; called as
+    """The target's step as one package (`aot.Packaged`) of 2..MAX_ROWS rows; called as
     (ids, pos, slots, mask, cache, taps) -> (float32 logits [N, V], features [N, taps*H])."""
 
     def __init__(self, fastpath, taps: tuple):
         folder = aot.key_dir("target", fastpath.model, fastpath.model.config.to_json_string(use_diff=False),
                              fastpath.cpp_gemm, taps=list(taps))
-        self.one, self.tree = (
-            aot.Packaged(StepModule(fastpath, taps, stacked=rows == 1), folder / name,
-                         lambda rows=rows: example(fastpath, rows, rows > 1), fastpath.cpp_gemm, what,
-                         dynamic=False, fullgraph=True)
-            for rows, name, what in ((1, "step-1.pt2", "the target's one-row step"),
-                                     (8, f"step-2-{MAX_ROWS}.pt2", "the target's tree step")))
+        self.step = aot.Packaged(StepModule(fastpath, taps, stacked=False), folder / f"step-2-{MAX_ROWS}.pt2",
+                                 lambda: example(fastpath, 8), fastpath.cpp_gemm, "the target's step",
+                                 dynamic=False, fullgraph=True)
 
     @staticmethod
     def rows_for(n: int) -> int | None:
-        """The rows a step of n runs (no padding); None: more than any package takes."""
-        return n if n <= MAX_ROWS else None
+        """The rows a step of n runs: n, at least 2; None: more than the package takes."""
+        return max(n, 2) if n <= MAX_ROWS else None
 
     def __call__(self, ids, pos, slots, mask, cache: StaticKV, taps: tuple):
-        return (self.one if len(ids) == 1 else self.tree)(ids, pos, slots, mask, *cache.k, *cache.v)
+        return self.step(ids, pos, slots, mask, *cache.k, *cache.v)
