@@ -193,7 +193,8 @@ def test_compiled_graphs_stay_with_their_own_instance():
         with torch.no_grad():
             want = d.forward_block(block, pos, kv)
             d.compile_drafting(True)
-            torch.testing.assert_close(d._compiled_block(block, pos, kv), want, atol=1e-5, rtol=1e-5)
+            flat = [t for k_v in kv for t in k_v]  # k_0, v_0, k_1, ...: as `Drafter.draft` passes them
+            torch.testing.assert_close(d._compiled_block(block, pos, *flat), want, atol=1e-5, rtol=1e-5)
 
 
 def test_one_compiled_step_serves_every_capacity_and_attends_over_the_live_slots():
