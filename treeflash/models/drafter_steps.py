@@ -6,6 +6,7 @@ k_0, v_0, k_1, v_1, ... (each [nkv, C, hd])."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import torch
@@ -58,6 +59,7 @@ def example(drafter, extend: bool) -> tuple:
 
 def compiled_passes(drafter, cpp_gemm: bool) -> tuple:
     """(block pass, block pass after appending context), compiled."""
+    @functools.cache  # one weights checksum for both
     def folder():
         return aot.key_dir("drafter", drafter, json.dumps(dataclasses.asdict(drafter.config), default=str), cpp_gemm)
 

@@ -22,9 +22,9 @@ rows at the slots after its cache), two modes; both return (logits, features), l
   GEMM on AVX2 CPUs without AVX-512), its cost stays near flat from 1 to 4 rows (docs/performance.md,
   "Backends (`--backend`)"; `treeflash profile --verify-costs compiled,compiled-cpp` measures it).
   It needs an x86 CPU with AVX2 or AVX-512; compiling takes minutes per tree size.
-- compiled on the CPU (packages on, the default): the step is two AOTInductor packages on disk,
-  one row and 2..64 rows, trees unpadded (`steps.PackagedSteps`), built once per machine and
-  loaded in about a second by later processes.
+- compiled on the CPU (packages on, the default): the step is one AOTInductor package on disk for
+  2..64 rows, trees unpadded and a plain step run as two rows (`steps.PackagedSteps`), built once
+  per machine and loaded in about a second by later processes.
 
 Long flat sequences of a bfloat16 model compute in float32 where that pays (`cpu.upcast_pays`).
 Beside this file: `kvcache` (the caches), `attention` (stacked attention, `linear`), `inductor`
@@ -211,7 +211,7 @@ class FastPath:
         return self.model.get_output_embeddings()(h).float(), feats
 
     def bucket(self, n: int) -> int | None:
-        """The rows a compiled step of n rows runs (packages: n itself; else the bucket holding it)."""
+        """The rows a compiled step of n rows runs (packages: n, at least 2; else the bucket holding it)."""
         return PackagedSteps.rows_for(n) if self.aot else bucket_for(n)
 
     def _compiled_step(self, tap_ids: tuple):

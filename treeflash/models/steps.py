@@ -28,15 +28,15 @@ def flat_cache(kv) -> StaticKV:
 
 class StepModule(torch.nn.Module):
     """`FastPath._step` with the cache as flat tensors: forward(ids, pos, slots, mask, *k, *v).
-    `stacked`: whether steps of 2-4 rows stack their query heads (not in a package whose row count
-    is symbolic: the choice would depend on it)."""
+    Query heads are never stacked (`FastPath._attend`): with the row count symbolic, the choice
+    would depend on it."""
 
-    def __init__(self, fastpath, taps: tuple, stacked: bool):
+    def __init__(self, fastpath, taps: tuple):
         super().__init__()
-        self.fastpath, self.model, self.taps, self.stacked = fastpath, fastpath.model, taps, stacked
+        self.fastpath, self.model, self.taps = fastpath, fastpath.model, taps
 
     def forward(self, ids, pos, slots, mask, *kv):
-        return self.fastpath._step(ids, pos, slots, mask, flat_cache(kv), self.taps, self.stacked)
+        return self.fastpath._step(ids, pos, slots, mask, flat_cache(kv), self.taps, stacked=False)
 
 
 def example(fastpath, rows: int) -> tuple:
@@ -63,7 +63,7 @@ class PackagedSteps:
     def __init__(self, fastpath, taps: tuple):
         folder = aot.key_dir("target", fastpath.model, fastpath.model.config.to_json_string(use_diff=False),
                              fastpath.cpp_gemm, taps=list(taps))
-        self.step = aot.Packaged(StepModule(fastpath, taps, stacked=False), folder / f"step-2-{MAX_ROWS}.pt2",
+        self.step = aot.Packaged(StepModule(fastpath, taps), folder / f"step-2-{MAX_ROWS}.pt2",
                                  lambda: example(fastpath, 8), fastpath.cpp_gemm, "the target's step",
                                  dynamic=False, fullgraph=True)
 
