@@ -59,9 +59,9 @@ test: install
 # its AMX kernels keep their tile configuration per thread, ask for the tile-data permission on every worker thread and
 # load the configuration at every call, so they run on AMX CPUs, also beside PyTorch's AMX kernels in one process:
 # what ggml-org/llama.cpp PR #26954 (open) fixes upstream)
-# into .llama.cpp/ (git-ignored; 11-19 min on 2 cores): the llama-speculative-simple, llama-server and llama-bench binaries
+# into .llama.cpp/ (git-ignored; 11-19 min on 2 cores): the llama-speculative-simple, llama-server, llama-bench and llama-quantize binaries
 # (DFlash speculative decoding: `--spec-type draft-dflash`) and libllama, which the Python binding (installed
-# without a second compile) loads through LLAMA_CPP_LIB_PATH. Not needed by demo or test.
+# without a second compile) loads through LLAMA_CPP_LIB_PATH: `--backend llama-cpp` runs targets in it. Not needed by demo or test.
 LLAMA_VERSION := 0.3.36
 LLAMA_DIR := .llama.cpp
 LLAMA_SRC := $(LLAMA_DIR)/llama_cpp_python-$(LLAMA_VERSION)
@@ -78,7 +78,7 @@ $(LLAMA_BIN)/llama-speculative-simple: $(LLAMA_SRC)/vendor/llama.cpp/CMakeLists.
 	cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_DIR)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
 	  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
 	  -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON
-	cmake --build $(LLAMA_DIR)/build -j 2 --target llama-speculative-simple llama-server llama-cli llama-bench
+	cmake --build $(LLAMA_DIR)/build -j 2 --target llama-speculative-simple llama-server llama-cli llama-bench llama-quantize
 
 $(LLAMA_DIR)/.binding-installed: $(LLAMA_BIN)/llama-speculative-simple
 	CMAKE_ARGS="-DLLAMA_BUILD=OFF" $(PIP) $(LLAMA_SRC) sentencepiece

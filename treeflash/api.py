@@ -10,11 +10,11 @@ import torch
 
 from .decoding.generate import decode
 from .decoding.stats import Stats
-from .config import GenerationConfig, is_compiled, uses_cpp_gemm
+from .config import GenerationConfig, compiles_drafter, uses_cpp_gemm
 from .decoding.proposers import make_proposer, verify_rows
 from .decoding.text import TextAssembler, pieces
 from .errors import TreeflashError
-from .models import registry
+from .models import aot, registry
 from .options import DEVICES
 from .models.drafter import Drafter, load_drafter, random_drafter  # noqa: F401 (random_drafter: part of the API)
 from .models.drafter_config import check_fits
@@ -109,10 +109,11 @@ class Engine:
         budget = self.auto_tree_size(cfg).budget if cfg.tree_size == "auto" else cfg.tree_size
         proposer = make_proposer(cfg.method, self.drafter, self.target.embed, self.target.drafting_head,
                                  cfg.tree(vocab, budget))
-        if proposer.drafts:  # the compiled backend compiles the drafter's block pass too (not for plain decoding)
+        if proposer.drafts:  # the drafter's block passes and heads, compiled where the backend says (not for plain decoding)
             backend = self.target.backend
-            self.drafter.compile_drafting(is_compiled(backend), cpp_gemm=uses_cpp_gemm(backend))
-            proposer.compile_heads(is_compiled(backend), cpp_gemm=uses_cpp_gemm(backend))
+            on = compiles_drafter(backend, aot.enabled() and self.target.device.type == "cpu")
+            self.drafter.compile_drafting(on, cpp_gemm=uses_cpp_gemm(backend))
+            proposer.compile_heads(on, cpp_gemm=uses_cpp_gemm(backend))
         # compile now what this generation will run: a tree of any size up to its rows at the budget (the root
         # alone at the end; lookup trees are as large as the text's repeats)
         self.target.warm(range(1, proposer.rows(proposer.params.budget) + 1))
@@ -263,8 +264,13 @@ def check_device(device: str | None) -> str:
 
 
 @functools.lru_cache(maxsize=2)
-def _load_target(name: str, dtype, device: str = "cpu", quantize: str = "none") -> Target:
-    """Targets are cached per process (engines share them; each engine re-sets the taps it needs)."""
+def _load_target(name: str, dtype, device: str = "cpu", quantize: str = "none", gguf: bool = False) -> Target:
+    """Targets are cached per process (engines share them; each engine re-sets the taps it needs);
+    gguf: for the llama-cpp backend (the GGUF in libllama, `models/llama_backend.py`)."""
+    if gguf:
+        from .models.llama_backend import LlamaTarget
+
+        return LlamaTarget.load(name, dtype=dtype, device=device).quantize(quantize)
     return Target.load(name, dtype=dtype, device=device).quantize(quantize)
 
 
@@ -278,11 +284,11 @@ def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = 
     "none" -> no drafter (vanilla decoding only). dtype "auto": bf16 where the hardware computes
     it natively, else fp32. device: "cpu", "cuda", or None / "auto": "cuda" when a GPU is present,
     else "cpu". backend: the target's forward path (`Target.set_backend`): auto | hf | static | compiled |
-    compiled-cpp; it is the engine's own (the target, cached and shared, is put in each engine's state
+    compiled-cpp | llama-cpp (the target's GGUF in libllama: a built-in name or a .gguf); it is the engine's own (the target, cached and shared, is put in each engine's state
     before it runs). quantize: "none" | "int8" | "int4" (weight-only quantized target on CPU; this
     changes the target, see `models/quant.py`).
     """
-    tgt = _load_target(target, parse_dtype(dtype), check_device(device), quantize)
+    tgt = _load_target(target, parse_dtype(dtype), check_device(device), quantize, backend == "llama-cpp")
     if isinstance(drafter, Drafter):
         d = drafter
     elif drafter == "none":

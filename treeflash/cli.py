@@ -60,7 +60,8 @@ def add_backend_arg(p: argparse.ArgumentParser) -> None:
                         "compiled = the same compiled (CPU: built once per machine, minutes, then loaded "
                         "from ~/.cache/treeflash/aot in seconds), compiled-cpp = compiled with every matmul in "
                         "inductor's C++ GEMM template (x86 CPUs; faster verify on CPUs without AVX-512), "
-                        "hf = the model's own forward; auto = the faster of static and compiled here, "
+                        "hf = the model's own forward, llama-cpp = the target's GGUF in llama.cpp (4-bit "
+                        "included; `make llama-cpp`); auto = the faster of static and compiled here, "
                         "timed once per machine (hf where static does not support the model)")
 
 

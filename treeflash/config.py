@@ -26,6 +26,13 @@ def uses_cpp_gemm(backend: str) -> bool:
     return backend == "compiled-cpp"
 
 
+def compiles_drafter(backend: str, packages_on_disk: bool) -> bool:
+    """Whether the drafter's block passes and TreeFlash heads run compiled: on the compiled backends,
+    and on llama-cpp (its target runs outside PyTorch) where compiled graphs are kept on disk (built
+    once per machine; with TREEFLASH_AOT=0 it drafts eagerly rather than compile in every process)."""
+    return is_compiled(backend) or (backend == "llama-cpp" and packages_on_disk)
+
+
 def tree_size_arg(value: str) -> int | str:
     if value == "auto":
         return value

@@ -18,8 +18,8 @@ DEVICES = ("auto", "cpu", "cuda")
 # auto = bf16 where the CPU/GPU computes it natively, else fp32 (`models.target.parse_dtype`)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
-# target forward paths (`models.target.Target.set_backend`)
-BACKENDS = ("auto", "hf", "static", "compiled", "compiled-cpp")
+# target forward paths (`models.target.Target.set_backend`; llama-cpp: `models.llama_backend`, a GGUF in libllama)
+BACKENDS = ("auto", "hf", "static", "compiled", "compiled-cpp", "llama-cpp")
 
 # weight-only quantization of the target (`models.quant`)
 QUANTIZE = ("none", "int8", "int4")

@@ -27,7 +27,7 @@ def register(sub) -> None:
     # every generation option but the arm's own (method, tree size), the bench seed, and stop strings
     # and ignore_eos (the peers honour neither); absent options keep the preset's value (--quick: 32)
     GenerationConfig.add_args(p, exclude=("method", "tree_size", "seed", "stop", "ignore_eos"), suppress=True)
-    add_model_args(p, dtype="bfloat16")  # the target (and backend, quantization) of our methods and the peers
+    add_model_args(p)  # the target (and backend, quantization) of our methods and the peers; dtype auto, as generate
     p.add_argument("--assistant", default=None, help="NAME|PATH of a smaller same-tokenizer model for hf-assisted")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling and sampling seed")
     p.add_argument("--repeats", type=int, default=1, help="runs per prompt and method; the median time is kept")

@@ -149,14 +149,10 @@ def llama_cpp_gguf(target_name: str) -> tuple[Path | None, str]:
     """(GGUF path, '') when llama-cpp can run this target, else (None, why it is skipped)."""
     from ..models import llamacpp
 
-    lib = llamacpp.llama_dir() / "build" / "bin"
-    if "LLAMA_CPP_LIB_PATH" not in os.environ and (lib / "libllama.so").exists():
-        os.environ["LLAMA_CPP_LIB_PATH"] = str(lib)  # the binding `make llama-cpp` installs loads this build
     try:
-        import llama_cpp  # noqa: F401
-    except (ImportError, OSError, RuntimeError) as e:
-        return None, (f"skipped: llama_cpp is not importable ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                      "run `make llama-cpp`")
+        llamacpp.import_binding()
+    except TreeflashError as e:
+        return None, f"skipped: {e}"
     if target_name in registry.TARGETS:
         return registry.gguf_path(target_name), ""
     if str(target_name).endswith(".gguf") and Path(target_name).is_file():
@@ -198,6 +194,8 @@ def build_methods(engine, names: list[str], tree_sizes: list, target_name: str, 
             arms.append(EngineMethod(engine, name, None))
         elif name in TREE_METHODS:
             arms += [EngineMethod(engine, name, b) for b in resolve_sizes(engine, name, tree_sizes, params, notes)]
+        elif name in HF_METHODS and engine.target.model is None:
+            notes.append(f"{name} skipped: the target runs in llama.cpp (--backend llama-cpp), with no Hugging Face model")
         elif name in HF_METHODS:
             arms.append(HFMethod(engine.target, name, assistant_model if name == "hf-assisted" else None))
         elif name == "llama-cpp":

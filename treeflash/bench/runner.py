@@ -16,14 +16,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..config import GenerationConfig, check_tree_sizes, is_compiled
+from ..config import GenerationConfig, check_tree_sizes
 from ..datasets import DATASETS, Sample, sample_prompts
 from ..decoding.lookup import copy_steps
 from ..decoding.stats import Stats
 from ..errors import TreeflashError
 from ..fsutil import ensure_writable_dir
 from ..options import DEFAULT_TARGET, DRAFTER_METHODS, check_method
-from .arms import ALL_METHODS, DEFAULT_METHODS, TREE_METHODS, Generation, Method
+from .arms import ALL_METHODS, DEFAULT_METHODS, Generation, Method
+from . import agreement
 from .methods import build_methods
 
 QUICK = dict(datasets=["humaneval", "gsm8k", "mt-bench"], num_prompts=2, generation=GenerationConfig(max_new_tokens=32),
@@ -208,7 +209,9 @@ def run_bench(cfg: BenchConfig, engine=None) -> dict:
     wall = time.perf_counter() - t0
 
     if cfg.quantize != "none" and cfg.greedy:
-        notes.append(quantization_agreement(cfg, records))
+        notes.append(agreement.quantized(cfg, records))
+    if cfg.greedy:
+        notes += agreement.llama_cpp(engine.target, cfg, records)
     results = aggregate(cfg, records, samples, notes)
     results["config"] = cfg.summary()
     results["machine"] = machine_info(load_start)
@@ -217,35 +220,6 @@ def run_bench(cfg: BenchConfig, engine=None) -> dict:
     results["command"] = shlex.join(["treeflash", "bench"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
     write_outputs(out, results, records)
     return results
-
-
-def quantization_agreement(cfg: BenchConfig, records: list[Record]) -> str:
-    """How far the quantized target's greedy output (each prompt's first turn, as decoded by the
-    first arm of our engine) follows the unquantized target's, decoded here on the same prompts."""
-    from .. import api
-    from ..models.target import Target
-
-    ours = [r for r in records if r.method in TREE_METHODS or r.method == "vanilla"]
-    if not ours:
-        return f"{cfg.quantize}: no engine method ran, so no agreement with the unquantized target was measured"
-    first = ours[0].method, ours[0].tree_size
-    ours = [r for r in ours if (r.method, r.tree_size) == first]
-    ref_backend = "static" if is_compiled(cfg.backend) else cfg.backend
-    ref = Target.load(cfg.target, dtype=cfg.dtype).set_backend(ref_backend)
-    engine = api.Engine(ref, None)
-    prompts = {(s.dataset, s.id): s for d in cfg.datasets for s in sample_prompts(d, cfg.num_prompts, cfg.seed)}
-    same = agree = total = 0
-    for r in tqdm(ours, desc="unquantized reference", leave=False, file=sys.stderr):
-        q = r.turns[0]["token_ids"]
-        want = engine.generate([{"role": "user", "content": prompts[(r.dataset, r.sample_id)].turns[0]}],
-                               method="vanilla", max_new_tokens=cfg.max_new_tokens).token_ids
-        n = next((i for i, (a, b) in enumerate(zip(q, want)) if a != b), min(len(q), len(want)))
-        same += q == want
-        agree += n
-        total += len(want)
-    return (f"{cfg.quantize}: the quantized target's greedy output equals the unquantized {cfg.dtype} target's on "
-            f"{same}/{len(ours)} first turns; {100 * agree / max(total, 1):.0f}% of the unquantized tokens come "
-            f"before the first difference")
 
 
 def machine_info(load_start: tuple[float, float, float]) -> dict:

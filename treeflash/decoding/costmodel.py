@@ -106,6 +106,8 @@ def auto_backend(target) -> str:
     from ..models import aot
     from ..models.fastpath import supported
 
+    if target.backend == "llama-cpp":  # loaded for it (`models/llama_backend.py`)
+        return "llama-cpp"
     if not supported(target.config):
         return "hf"
     if target.device.type != "cpu" or not aot.enabled() or target.quantization != "none":

@@ -44,6 +44,20 @@ def binary(name: str) -> Path | None:
     return p if p.exists() else None
 
 
+def import_binding():
+    """llama-cpp-python's module, loading the libllama that `make llama-cpp` built (LLAMA_CPP_LIB_PATH,
+    unless set); a missing build or binding is one clear line."""
+    lib = llama_dir() / "build" / "bin"
+    if "LLAMA_CPP_LIB_PATH" not in os.environ and (lib / "libllama.so").exists():
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(lib)
+    try:
+        import llama_cpp
+    except (ImportError, OSError, RuntimeError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TreeflashError(f"llama_cpp is not importable ({why}); {BUILD_HINT}") from None
+    return llama_cpp
+
+
 def converter() -> Path:
     src = source_dir()
     if src is None:

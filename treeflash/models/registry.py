@@ -173,13 +173,13 @@ def is_converted(d: Path) -> bool:
     return (d / "config.json").exists() and (d / "model.safetensors").exists()
 
 
-def publish_dir(tmp: Path, out_dir: Path, attempts: int = 16) -> None:
+def publish_dir(tmp: Path, out_dir: Path, attempts: int = 16, complete=is_converted) -> None:
     """Rename a finished `tmp` to `out_dir`, unless a complete `out_dir` is already there (another
     process converted the same file first: its copy is kept, `tmp` is left to the caller). An
     incomplete leftover is renamed aside whole before it is deleted, so no writer ever sees
     `out_dir` half-deleted (deleting it in place raced with another writer's rename: ENOTEMPTY)."""
     for _ in range(attempts):
-        if is_converted(out_dir):
+        if complete(out_dir):
             return
         if out_dir.exists():
             aside = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.stale-", dir=out_dir.parent))
@@ -194,7 +194,7 @@ def publish_dir(tmp: Path, out_dir: Path, attempts: int = 16) -> None:
             return
         except OSError:  # another writer renamed its copy in between: look again
             continue
-    if not is_converted(out_dir):
+    if not complete(out_dir):
         raise TreeflashError(f"could not publish {out_dir}: other writers kept replacing it")
 
 

@@ -126,6 +126,9 @@ class Target:
         matmul through inductor's C++ GEMM template: `fastpath.FastPath`)."""
         if name not in BACKENDS:
             raise TreeflashError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+        if name == "llama-cpp":
+            raise TreeflashError("the llama-cpp backend runs the target's GGUF in libllama: load the target with "
+                                 "--backend llama-cpp (api.load(..., backend='llama-cpp'))")
         if name == "auto":
             name = "static" if supported(self.config) else "hf"
         if name not in self._runners or (name != "hf" and not supported(self.config)):  # support rechecked
