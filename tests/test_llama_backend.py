@@ -183,7 +183,7 @@ def test_the_drafters_lm_head_is_the_ggufs_output_weight(tiny_gguf, outtype):
     from gguf.quants import dequantize
     from safetensors.torch import load_file
 
-    from treeflash.models.llama_backend import output_weight
+    from treeflash.models.gguf_file import output_weight
 
     hf = load_file(str(tiny_gguf.parent / "hf" / "model.safetensors"))["lm_head.weight"]  # [V, H]
     path = tiny_gguf

@@ -13,7 +13,8 @@ features; `cache.compact(start, keep)` keeps the accepted path. Over llama.cpp's
 - the tap features are the inputs of the next layers (`llama_get_embeddings_layer_inp`: our "output
   of layer i" is llama.cpp's input of layer i+1), from the same forward.
 - the drafter reads the target's token embedding as llama.cpp holds it (`llama_model_get_tok_embd`,
-  F32) and its LM head (the same matrix where tied, else `output.weight` dequantized by ggml).
+  F32) and its LM head (the same matrix where tied, else `output.weight` dequantized by ggml:
+  `gguf_file.output_weight`).
 
 One context holds one sequence's cache at a time (`new_cache` starts it afresh): generate, chat,
 bench and serve (one request at a time) decode one sequence.
@@ -22,8 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +30,7 @@ import torch
 
 from ..errors import TreeflashError
 from . import llamacpp, registry
+from .gguf_file import gguf_of, hf_meta, output_weight
 from .kvcache import KVCache
 from .target import Target, parse_dtype
 
@@ -305,102 +305,6 @@ class LlamaCppPath:
                 feats.append(f)
         cache.seqs, cache.length = None, cache.length + n
         return OutputRows(n, self.model.logits(1)[0]), (torch.cat(feats) if feats else None)
-
-
-def gguf_of(name_or_path: str) -> Path:
-    """The GGUF file of a built-in target (its shipped file) or a .gguf path."""
-    if name_or_path in registry.TARGETS:
-        return registry.gguf_path(name_or_path)
-    p = Path(name_or_path).expanduser()
-    if p.suffix == ".gguf" and p.is_file():
-        return p
-    raise TreeflashError(f"--backend llama-cpp runs a GGUF: give a built-in target ({', '.join(registry.TARGETS)}) "
-                         f"or a .gguf file, not {name_or_path!r}")
-
-
-class _TypeTraits(ctypes.Structure):  # ggml.h's struct ggml_type_traits
-    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64), ("blck_size_interleave", ctypes.c_int64),
-                ("type_size", ctypes.c_size_t), ("is_quantized", ctypes.c_bool),
-                ("to_float", ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)),
-                ("from_float_ref", ctypes.c_void_p)]
-
-
-class _GGUFParams(ctypes.Structure):  # gguf.h's struct gguf_init_params
-    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
-
-
-def _ggml():
-    g = ctypes.CDLL(str(llamacpp.llama_dir() / "build" / "bin" / "libggml-base.so"))
-    sig = {"ggml_get_type_traits": ([ctypes.c_int], ctypes.POINTER(_TypeTraits)),
-           "gguf_init_from_file": ([ctypes.c_char_p, _GGUFParams], ctypes.c_void_p),
-           "gguf_find_tensor": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_int64),
-           "gguf_get_data_offset": ([ctypes.c_void_p], ctypes.c_size_t),
-           "gguf_get_tensor_offset": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_size_t),
-           "gguf_get_tensor_size": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_size_t),
-           "gguf_get_tensor_type": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_int),
-           "gguf_free": ([ctypes.c_void_p], None)}
-    for name, (args, res) in sig.items():
-        getattr(g, name).argtypes, getattr(g, name).restype = args, res
-    return g
-
-
-def output_weight(path: Path, rows: int, cols: int) -> torch.Tensor | None:
-    """`output.weight` [rows=V, cols=H] of a GGUF in float32, dequantized by ggml's own row
-    function (the values llama.cpp's LM head multiplies by); None where the LM head is tied to the
-    token embedding (no such tensor). ggml's gguf reader finds it; the file is mapped, not read."""
-    g = _ggml()
-    ctx = g.gguf_init_from_file(str(path).encode(), _GGUFParams(True, None))
-    if not ctx:
-        raise TreeflashError(f"ggml cannot read {path.name}'s tensor table")
-    try:
-        i = g.gguf_find_tensor(ctx, b"output.weight")
-        if i < 0:
-            return None
-        off = g.gguf_get_data_offset(ctx) + g.gguf_get_tensor_offset(ctx, i)
-        size, kind = g.gguf_get_tensor_size(ctx, i), g.gguf_get_tensor_type(ctx, i)
-    finally:
-        g.gguf_free(ctx)
-    traits = g.ggml_get_type_traits(kind).contents
-    if size * traits.blck_size != rows * cols * traits.type_size:
-        raise TreeflashError(f"{path.name}'s output.weight is not [{rows}, {cols}]")
-    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=off, shape=(size,))  # copy-on-write: never written
-    out = torch.empty(rows, cols, dtype=torch.float32)
-    if traits.to_float:
-        traits.to_float(raw.ctypes.data, ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_float)), rows * cols)
-    else:  # F32: stored as is
-        out.copy_(torch.from_numpy(raw.view(np.float32).reshape(rows, cols)))
-    return out
-
-
-def hf_meta(gguf: Path, converted: Path | None):
-    """The config and tokenizer of a GGUF: from a built-in target's converted directory when
-    present, else read from the GGUF by transformers once and kept under the cache (reading a
-    GGUF's vocabulary takes transformers half a minute)."""
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    st = gguf.stat()
-    kept = registry.cache_dir() / "gguf-meta" / f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}"
-    done = lambda d: (d / "config.json").exists() and (d / "tokenizer_config.json").exists()  # noqa: E731
-    for d in (converted, kept):
-        if d is not None and done(d):
-            return AutoConfig.from_pretrained(str(d)), AutoTokenizer.from_pretrained(str(d))
-    print(f"treeflash: reading {gguf.name}'s tokenizer and config (once)", flush=True)
-    try:
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    except (OSError, ValueError) as e:
-        raise TreeflashError(f"cannot read {gguf.name}'s tokenizer and config: {str(e).splitlines()[0]}") from None
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=kept.name + ".tmp-", dir=kept.parent))
-    try:
-        config.save_pretrained(str(tmp))
-        tok.save_pretrained(str(tmp))
-        registry.publish_dir(tmp, kept, complete=done)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return config, tok
 
 
 def threads() -> int:
