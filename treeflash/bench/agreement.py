@@ -24,6 +24,11 @@ def _first_turn_prompts(cfg) -> dict:
     return {(s.dataset, s.id): s.turns[0] for d in cfg.datasets for s in sample_prompts(d, cfg.num_prompts, cfg.seed)}
 
 
+def _ours(r) -> bool:
+    """Whether a record is one of our engine's arms (not a peer's)."""
+    return r.method in TREE_METHODS or r.method == "vanilla"
+
+
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -34,7 +39,7 @@ def quantized(cfg, records) -> str:
     from .. import api
     from ..models.target import Target
 
-    ours = [r for r in records if r.method in TREE_METHODS or r.method == "vanilla"]
+    ours = [r for r in records if _ours(r)]
     if not ours:
         return f"{cfg.quantize}: no engine method ran, so no agreement with the unquantized target was measured"
     first = ours[0].method, ours[0].tree_size
@@ -88,7 +93,7 @@ def llama_cpp(target, cfg, records) -> list[str]:
     prompts = _first_turn_prompts(cfg)
     arms: dict[tuple, list] = {}
     for r in records:
-        if (r.method in TREE_METHODS or r.method == "vanilla") and (r.dataset, r.sample_id) in plain:
+        if _ours(r) and (r.dataset, r.sample_id) in plain:
             arms.setdefault((r.method, r.tree_size), []).append(r)
     ties: dict[tuple, tuple] = {}  # (dataset, id, position) -> (gap, shift), shared by arms that differ there
     notes = []

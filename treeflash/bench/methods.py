@@ -153,11 +153,12 @@ def llama_cpp_gguf(target_name: str) -> tuple[Path | None, str]:
         llamacpp.import_binding()
     except TreeflashError as e:
         return None, f"skipped: {e}"
-    if target_name in registry.TARGETS:
-        return registry.gguf_path(target_name), ""
-    if str(target_name).endswith(".gguf") and Path(target_name).is_file():
-        return Path(target_name), ""
-    return None, f"skipped: target {target_name!r} has no GGUF file (give a built-in name or a .gguf path)"
+    from ..models.gguf_file import gguf_of
+
+    try:
+        return gguf_of(str(target_name)), ""
+    except TreeflashError:
+        return None, f"skipped: target {target_name!r} has no GGUF file (give a built-in name or a .gguf path)"
 
 
 def load_assistant(name_or_path: str, target):

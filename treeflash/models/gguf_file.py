@@ -4,8 +4,6 @@ config (read by transformers once, then kept)."""
 from __future__ import annotations
 
 import ctypes
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -100,12 +98,10 @@ def hf_meta(gguf: Path, converted: Path | None):
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except (OSError, ValueError) as e:
         raise TreeflashError(f"cannot read {gguf.name}'s tokenizer and config: {str(e).splitlines()[0]}") from None
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=kept.name + ".tmp-", dir=kept.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         config.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
-        registry.publish_dir(tmp, kept, complete=done)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    registry.write_dir(kept, write, complete=done)
     return config, tok

@@ -159,12 +159,22 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = gguf.stem
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size="20GB")
+        tok.save_pretrained(str(tmp))
+
+    write_dir(out_dir, write)
+
+
+def write_dir(out_dir: Path, write, complete=None) -> None:
+    """Fill a fresh temporary directory beside `out_dir` with `write(tmp)`, then publish it as
+    `out_dir` (`publish_dir`; `complete`: what a finished one holds, default `is_converted`)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
-        model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size="20GB")
-        tok.save_pretrained(str(tmp))
-        publish_dir(tmp, out_dir)
+        write(tmp)
+        publish_dir(tmp, out_dir, complete=complete or is_converted)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
