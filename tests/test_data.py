@@ -353,3 +353,97 @@ def test_select_exclude_must_be_a_directory(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "--exclude: not a directory" in err and "Traceback" not in err
     assert not (tmp_path / "s.jsonl").exists()
+
+
+# ---------------------------------------------------------------- --engine llama-server
+class FakeServer:
+    """A `LlamaServer` stand-in: answers after a short wait, counting the requests in flight."""
+
+    def __init__(self):
+        import threading
+
+        self.lock, self.in_flight, self.most, self.closed = threading.Lock(), 0, 0, False
+
+    def complete(self, prompt, n_predict):
+        import time
+
+        with self.lock:
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+        time.sleep(0.01 * (len(prompt) % 3))  # answers finish out of order
+        with self.lock:
+            self.in_flight -= 1
+        return {"tokens": [len(prompt)] * n_predict}
+
+    def close(self):
+        self.closed = True
+
+
+def test_server_answers_keep_the_slots_full_and_every_answer_lands_once(tmp_path):
+    todo = [(f"p{i}", list(range(i + 1))) for i in range(20)]
+    cfg = data.RegenConfig(batch_size=4, max_new_tokens=3)
+    server = FakeServer()
+    got = list(data.server_answers(server, todo, cfg))
+    assert sorted(got) == sorted((pid, p, [len(p)] * 3) for pid, p in todo)
+    assert server.most == 4 and server.closed
+
+
+def test_regen_with_answers_from_a_server_resumes_and_stops_at_max_tokens(tiny_target_dir, tmp_path):
+    target = tiny_target(tiny_target_dir)
+    prompts = data.load_prompts(write_prompts(tmp_path / "p.jsonl"))
+    cfg = data.RegenConfig(batch_size=2, max_new_tokens=MAX_NEW, shard_size=2, max_tokens=2 * MAX_NEW)
+    server = FakeServer()
+    meta = data.regenerate(target, tmp_path / "p.jsonl", tmp_path / "out", cfg, progress=False,
+                           answers=lambda todo: data.server_answers(server, todo, cfg))
+    assert meta["sequences"] == 2 and not meta["finished"] and server.closed
+    cfg.max_tokens = None
+    meta = data.regenerate(target, tmp_path / "p.jsonl", tmp_path / "out", cfg, progress=False,
+                           answers=lambda todo: data.server_answers(FakeServer(), todo, cfg))
+    recs = {r["id"]: r for r in read_shards(tmp_path / "out")}
+    assert meta["finished"] and meta["run_response_tokens"] == (len(prompts) - 2) * MAX_NEW
+    for p in prompts:
+        n = len(target.apply_chat(p["messages"]))
+        assert recs[p["id"]]["input_ids"][n:] == [n] * MAX_NEW and recs[p["id"]]["prompt_len"] == n
+
+
+llama_built = pytest.mark.skipif(__import__("treeflash.models.llamacpp", fromlist=["x"]).binary("llama-server") is None,
+                                 reason="llama.cpp is not built here: run `make llama-cpp`")
+
+
+@llama_built
+def test_regen_through_llama_server_writes_whole_answers_and_resumes(tiny_target_dir, tmp_path):
+    from treeflash.models import llamacpp
+
+    gguf = tmp_path / "tiny-f32.gguf"
+    llamacpp.run_converter(tiny_target_dir, gguf, "f32")
+    write_prompts(tmp_path / "p.jsonl")
+    args = ["data", "regen", "--target", str(tiny_target_dir), "--engine", "llama-server", "--gguf", str(gguf),
+            "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "out"), "--batch-size", "3",
+            "--max-new-tokens", str(MAX_NEW), "--shard-size", "2", "--no-progress", "--threads", "2"]
+    assert main(args) == 0
+    target = tiny_target(tiny_target_dir)
+    stop = target.stop_ids()
+    recs = read_shards(tmp_path / "out")
+    assert sorted(r["id"] for r in recs) == [f"p{i}" for i in range(len(PROMPTS))]
+    for r in recs:
+        answer = r["input_ids"][r["prompt_len"]:]
+        assert r["input_ids"][:r["prompt_len"]] == target.apply_chat(
+            [{"role": "user", "content": PROMPTS[int(r["id"][1:])]}])
+        assert len(answer) == MAX_NEW or (answer and answer[-1] in stop and len(answer) < MAX_NEW)
+        assert all(0 <= t < len(target.tokenizer) for t in answer)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["finished"] and meta["dtype"] == "gguf:tiny-f32.gguf"
+    assert main(args) == 0  # resumed: nothing left to answer
+    assert len(read_shards(tmp_path / "out")) == len(recs)
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["run_response_tokens"] == 0
+
+
+def test_regen_gguf_bad_input_is_one_line(tiny_target_dir, tmp_path, capsys):
+    write_prompts(tmp_path / "p.jsonl")
+    base = ["data", "regen", "--target", str(tiny_target_dir), "--engine", "llama-server",
+            "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "out")]
+    (tmp_path / "x.txt").write_text("x")
+    for gguf, says in ((str(tmp_path / "x.txt"), "--gguf takes a .gguf file"), ("q8_0", "needs a built-in target")):
+        assert main(base + ["--gguf", gguf]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -6,86 +6,35 @@
   drafts, so B nodes are verified per step as in our methods;
 - `llama-cpp-dflash-q4`: our drafter with the shipped Q4_1 target GGUF.
 
-One `llama-server` per arm on a loopback port, started on first use and stopped at exit. Times are
+One `llama-server` per arm (`models/llama_server.py`), started on first use and stopped at exit. Times are
 the server's own (prompt + generation, `timings`), so HTTP adds nothing.
 """
 from __future__ import annotations
 
-import atexit
-import json
-import socket
-import subprocess
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 from ..decoding.stats import Stats
-from ..errors import TreeflashError
 from ..models import llamacpp, registry
+from ..models.llama_server import LlamaServer
 from .arms import Generation, Method
 
 PLAIN = ("llama-cpp-bf16",)  # the arms without a drafter (arms.LLAMA_SERVER_METHODS lists them all)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServerMethod(Method):
     def __init__(self, name: str, target_gguf: Path, draft_gguf: Path | None, budget: int | None, threads: int):
         self.name, self.tree_size = name, budget
-        self.target_gguf, self.draft_gguf, self.threads = target_gguf, draft_gguf, threads
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-
-    def _start(self) -> None:
-        exe = llamacpp.binary("llama-server")
-        if exe is None:
-            raise TreeflashError(f"llama-server is not built; {llamacpp.BUILD_HINT}")
-        port = _free_port()
-        cmd = [str(exe), "-m", str(self.target_gguf), "--host", "127.0.0.1", "--port", str(port), "-t",
-               str(self.threads), "-c", "4096", "-np", "1", "--no-webui"]
-        if self.draft_gguf is not None:
-            cmd += ["-md", str(self.draft_gguf), "--spec-type", "draft-dflash", "--spec-draft-n-max",
-                    str(self.tree_size - 1), "-td", str(self.threads)]
-        # its log goes to a file: an unread pipe fills up over a long bench and blocks the server
-        self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
-        atexit.register(self.close)
-        self.url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise TreeflashError(f"llama-server exited: {self.log.read()[-400:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        raise TreeflashError("llama-server did not become ready in 120 s")
+        extra = ()
+        if draft_gguf is not None:
+            extra = ("-md", str(draft_gguf), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(budget - 1),
+                     "-td", str(threads))
+        self.server = LlamaServer(target_gguf, threads, extra=extra)
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        self.server.close()
 
     def generate(self, prompt_ids, p):
-        if self.proc is None:
-            self._start()
-        body = {"prompt": list(map(int, prompt_ids)), "n_predict": p.max_new_tokens, "temperature": 0.0,
-                "top_k": 1, "return_tokens": True, "cache_prompt": False, "seed": p.seed or 0}
-        req = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            res = json.loads(r.read())
+        res = self.server.complete(prompt_ids, p.max_new_tokens, seed=p.seed or 0)
         tokens = [int(t) for t in res.get("tokens", [])]
         t = res["timings"]
         stats = Stats(prompt_tokens=len(prompt_ids))

@@ -136,7 +136,7 @@ def _target_tensor(target_dir: Path, names: tuple[str, ...]):
 
 
 def target_gguf(target: str, out_file: str | Path, outtype: str = "bf16") -> Path:
-    """The target as an unquantized GGUF (from its safetensors), converted once."""
+    """The target as a GGUF of `outtype` (bf16, f32, q8_0, ...) from its safetensors, converted once."""
     from . import registry
 
     out_file = Path(out_file)

@@ -45,7 +45,14 @@ def register(sub) -> None:
     add_target_arg(rg)
     rg.add_argument("--prompts", default="data/prompts/train.jsonl")
     rg.add_argument("--out", required=True, help="output directory for shard-NNNNN.jsonl and meta.json")
-    rg.add_argument("--batch-size", type=int, default=32)
+    rg.add_argument("--batch-size", type=int, default=32,
+                    help="sequences decoded together (with --engine llama-server: requests in flight, its slots)")
+    rg.add_argument("--engine", default="torch", choices=("torch", "llama-server"),
+                    help="torch: the target in PyTorch (--dtype); llama-server: llama.cpp's server on a GGUF of "
+                         "the target (--gguf), built by `make llama-cpp`")
+    rg.add_argument("--gguf", default="q8_0",
+                    help="with --engine llama-server: a .gguf file, or q8_0 / bf16 / f16 / f32 (the built-in "
+                         "target converted once by llama.cpp's converter), or shipped (its shipped GGUF)")
     rg.add_argument("--max-new-tokens", type=int, default=384)
     rg.add_argument("--max-prompt-tokens", type=int, default=512, help="longest prompt (see --long-prompts)")
     rg.add_argument("--long-prompts", default="skip", choices=LONG_PROMPTS,
@@ -183,11 +190,45 @@ def run_regen(args) -> int:
     from ..api import check_device
 
     target = Target.load(args.target, dtype=args.dtype, device=check_device(args.device))
+    dtype, answers = args.dtype, None
+    if args.engine == "llama-server":
+        from ..models.llama_server import LlamaServer
+        from .data import server_answers
+
+        gguf, dtype = regen_gguf(args.target, args.gguf)
+        server = LlamaServer(gguf, args.threads or 2, ctx=cfg.max_prompt_tokens + cfg.max_new_tokens + 8,
+                             parallel=cfg.batch_size).start()
+        answers = lambda todo: server_answers(server, todo, cfg)  # noqa: E731
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` saves the finished records like Ctrl-C
-    meta = regenerate(target, args.prompts, args.out, cfg, dtype=args.dtype, target_name=args.target,
-                      progress=not args.no_progress)
+    meta = regenerate(target, args.prompts, args.out, cfg, dtype=dtype, target_name=args.target,
+                      progress=not args.no_progress, answers=answers)
     print(json.dumps(meta))
     return 0
+
+
+GGUF_OUTTYPES = ("q8_0", "bf16", "f16", "f32")
+
+
+def regen_gguf(target: str, gguf: str):
+    """(the GGUF file, the label meta.json records as its dtype) that `--gguf` names."""
+    from pathlib import Path
+
+    from ..errors import TreeflashError
+    from ..models import llamacpp, registry
+
+    if gguf in GGUF_OUTTYPES or gguf == "shipped":
+        if target not in registry.TARGETS:
+            raise TreeflashError(f"--gguf {gguf} needs a built-in target ({', '.join(registry.TARGETS)}); "
+                                 f"give a .gguf file for {target!r}")
+        if gguf == "shipped":
+            return registry.gguf_path(target), "gguf:shipped"
+        out = registry.cache_dir() / "llama.cpp" / f"{target}-{gguf}.gguf"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return llamacpp.target_gguf(target, out, gguf), f"gguf:{gguf}"
+    p = Path(gguf).expanduser()
+    if p.suffix != ".gguf" or not p.is_file():
+        raise TreeflashError(f"--gguf takes a .gguf file or one of {', '.join(GGUF_OUTTYPES)}, shipped; got {gguf!r}")
+    return p, f"gguf:{p.name}"
 
 
 def run_pack(args) -> int:

@@ -397,6 +397,43 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int) -> lis
     return responses
 
 
+def batch_answers(target, todo: list[tuple[str, list[int]]], cfg: RegenConfig):
+    """(id, prompt, response) for each prompt, answered by the target in length-sorted batches."""
+    for batch in length_sorted_batches(todo, cfg.batch_size, cfg.sort_window):
+        responses = generate_batch(target, [p for _, p in batch], cfg.max_new_tokens)
+        for (pid, prompt), resp in zip(batch, responses):
+            yield pid, prompt, resp
+
+
+def server_answers(server, todo: list[tuple[str, list[int]]], cfg: RegenConfig):
+    """(id, prompt, response) for each prompt, answered greedily by a `LlamaServer` with
+    `cfg.batch_size` requests in flight (its slots), in the order they finish. The server's
+    `tokens` end with the stop token as `generate_batch`'s responses do. Closing the stream stops
+    the server; the requests in flight are dropped (a resumed run asks them again)."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    pool = ThreadPoolExecutor(cfg.batch_size)
+    queue, pending = iter(todo), {}
+
+    def submit() -> None:
+        for pid, prompt in queue:  # the next prompt, if any
+            pending[pool.submit(server.complete, prompt, cfg.max_new_tokens)] = (pid, prompt)
+            return
+
+    try:
+        for _ in range(cfg.batch_size):
+            submit()
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                pid, prompt = pending.pop(f)
+                yield pid, prompt, [int(t) for t in f.result()["tokens"]]
+                submit()
+    finally:
+        server.close()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
 def fit_history(apply_chat, messages: list[dict], max_tokens: int) -> list[int] | None:
     """Chat prompt ids of the longest tail of the conversation that fits in `max_tokens`.
 
@@ -456,8 +493,11 @@ def write_meta(out_dir: Path, target_name: str, dtype: str, prompts_path: Path, 
 
 
 def regenerate(target, prompts_path: Path, out_dir: Path, cfg: RegenConfig, dtype: str = "bfloat16",
-               target_name: str | None = None, progress: bool = True) -> dict:
-    """Regenerate responses for the prompts into shards under `out_dir` (resuming); return meta."""
+               target_name: str | None = None, progress: bool = True, answers=None) -> dict:
+    """Regenerate responses for the prompts into shards under `out_dir` (resuming); return meta.
+
+    `answers(todo)` yields (id, prompt ids, response ids) for the (id, prompt ids) it is given, in
+    any order; by default `batch_answers` (the target itself, in PyTorch), or `server_answers`."""
     from tqdm import tqdm
 
     cfg.check()
@@ -486,29 +526,31 @@ def regenerate(target, prompts_path: Path, out_dir: Path, cfg: RegenConfig, dtyp
         write_meta(out_dir, name, dtype, prompts_path, cfg, prog, len(rows), too_long, finished=False,
                    shortened=shortened)
 
+    answer = answers or (lambda items: batch_answers(target, items, cfg))
+    stream = answer(todo if budget_left is None or budget_left > 0 else [])
     try:
-        for batch in length_sorted_batches(todo, cfg.batch_size, cfg.sort_window):
-            if budget_left is not None and budget_left <= 0:
-                break
-            responses = generate_batch(target, [p for _, p in batch], cfg.max_new_tokens)
-            for (pid, prompt), resp in zip(batch, responses):
-                buffer.append({"id": pid, "input_ids": prompt + resp, "prompt_len": len(prompt)})
-                prog.done_ids.add(pid)
-                prog.response_tokens += len(resp)
-                prog.run_response_tokens += len(resp)
-                prog.total_tokens += len(prompt) + len(resp)
-                prog.eos_finished += int(bool(resp) and resp[-1] in stop)
-                if budget_left is not None:
-                    budget_left -= len(resp)
+        for pid, prompt, resp in stream:
+            buffer.append({"id": pid, "input_ids": prompt + resp, "prompt_len": len(prompt)})
+            prog.done_ids.add(pid)
+            prog.response_tokens += len(resp)
+            prog.run_response_tokens += len(resp)
+            prog.total_tokens += len(prompt) + len(resp)
+            prog.eos_finished += int(bool(resp) and resp[-1] in stop)
             rate = prog.run_response_tokens / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(seqs=len(prog.done_ids), tok_s=f"{rate:.0f}", refresh=False)
-            bar.update(sum(len(r) for r in responses))
+            bar.update(len(resp))
             if len(buffer) >= cfg.shard_size:
                 flush(cfg.shard_size)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the finished records, then stop
+            if budget_left is not None:
+                budget_left -= len(resp)
+                if budget_left <= 0:
+                    break
+    except BaseException:  # Ctrl-C, SIGTERM or a failed answer: keep the finished records, then stop
+        stream.close()
         flush(1)
         bar.close()
         raise
+    stream.close()
     flush(1)  # the rest, as a last (shorter) shard
     bar.close()
     prog.run_seconds = time.perf_counter() - t0
