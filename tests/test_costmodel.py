@@ -120,3 +120,44 @@ def test_auto_decodes_plainly_where_speculation_cannot_pay(tmp_path, monkeypatch
     out = list(engine.tokens(PROMPT, method="treeflash+lookup", max_new_tokens=6, tree_size="auto", top_m=3,
                              top_k=3, ignore_eos=True, stats=stats))
     assert out == vanilla(target, PROMPT, 6) and not drafted and set(stats.tree_sizes) == {1}
+
+
+def test_auto_llama_cpp_times_once_per_machine_and_keeps_the_faster(tmp_path, monkeypatch):
+    monkeypatch.setattr(costmodel, "CACHE_FILE", tmp_path / "costs.json")
+    loaded = []
+
+    class Fake:
+        def __init__(self, kind):
+            self.kind = kind
+            loaded.append(kind)
+
+    def step_times(target, backends):
+        return {b: {"torch": 0.05, "gguf": 0.02}[target.kind] for b in backends}
+
+    monkeypatch.setattr(costmodel, "step_times", step_times)
+    monkeypatch.setattr(costmodel, "auto_backend", lambda target: "static")
+    assert costmodel.auto_llama_cpp("m", lambda: Fake("torch"), lambda: Fake("gguf")) is True
+    assert loaded == ["torch", "gguf"]
+    assert costmodel.auto_llama_cpp("m", lambda: Fake("torch"), lambda: Fake("gguf")) is True
+    assert loaded == ["torch", "gguf"]  # saved: no second timing
+    monkeypatch.setattr(costmodel, "step_times", lambda t, b: {x: {"torch": 0.01, "gguf": 0.02}[t.kind] for x in b})
+    assert costmodel.auto_llama_cpp("other", lambda: Fake("torch"), lambda: Fake("gguf")) is False
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(dtype="float32"), dict(quantize="int8"), dict(torch_only=True),
+                                dict(device="cuda"), dict(aot="0")])
+def test_backend_auto_times_llama_cpp_only_where_the_caller_leaves_it_free(kw, monkeypatch):
+    from pathlib import Path
+
+    from treeflash import api
+    from treeflash.models import gguf_file, llamacpp
+
+    timed, free = [], not kw
+    kw = dict(kw)
+    monkeypatch.setenv("TREEFLASH_AOT", kw.pop("aot", "1"))
+    monkeypatch.setattr(llamacpp, "binary", lambda name: Path(name))  # built, and the target has a GGUF
+    monkeypatch.setattr(gguf_file, "has_gguf", lambda name: True)
+    monkeypatch.setattr(costmodel, "auto_llama_cpp", lambda name, *loaders: timed.append(name) or True)
+    args = dict(dtype="auto", device="cpu", quantize="none", torch_only=False) | kw
+    got = api._auto_llama_cpp("smollm2-135m", args["dtype"], args["device"], args["quantize"], args["torch_only"])
+    assert got is free and timed == (["smollm2-135m"] if free else [])

@@ -248,3 +248,24 @@ def test_bad_input_is_one_clear_line(tiny_gguf, tmp_path):
     r = subprocess.run([sys.executable, "-m", "treeflash", "generate", "hi", "--target", str(bad), "--backend",
                         "llama-cpp", "--drafter", "none"], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+@built
+@pytest.mark.parametrize("faster", ["llama-cpp", "static"])
+def test_backend_auto_loads_the_gguf_where_llama_cpp_times_faster(tiny_gguf, tmp_path, monkeypatch, faster):
+    import treeflash
+    from treeflash import api
+    from treeflash.decoding import costmodel
+
+    monkeypatch.setenv("TREEFLASH_AOT", "1")
+    monkeypatch.setattr(costmodel, "CACHE_FILE", tmp_path / "costs.json")
+    real = costmodel.auto_backend  # the torch target's choice without compiling in a test
+    monkeypatch.setattr(costmodel, "auto_backend", lambda t: real(t) if t.backend == "llama-cpp" else "static")
+    monkeypatch.setattr(costmodel, "step_times", lambda target, backends: {
+        b: 0.01 if b == faster else 0.02 for b in backends})
+    api._load_target.cache_clear()
+    eng = treeflash.load(target=str(tiny_gguf), drafter="none")
+    assert (eng.target.backend == "llama-cpp") is (faster == "llama-cpp")
+    plain = eng.generate("def f(x):", method="vanilla", max_new_tokens=8, chat=False, ignore_eos=True)
+    assert len(plain.token_ids) == 8
+    api._load_target.cache_clear()

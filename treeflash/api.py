@@ -263,6 +263,24 @@ def check_device(device: str | None) -> str:
     return device
 
 
+def _auto_llama_cpp(name: str, dtype: str, device: str, quantize: str, torch_only: bool) -> bool:
+    """Whether `--backend auto` runs the target's GGUF on llama.cpp: where llama.cpp is built, the
+    target has a GGUF (a built-in's shipped file, which its PyTorch weights are converted from, or a
+    .gguf path), the dtype is auto, there is no --quantize, the device is the CPU, the caller does
+    not need PyTorch (`torch_only`) and backends are timed at all (TREEFLASH_AOT not 0); then if its
+    step is the faster here, timed once per machine (`costmodel.auto_llama_cpp`)."""
+    from .models import gguf_file, llamacpp
+
+    if dtype != "auto" or quantize != "none" or device != "cpu" or torch_only or not aot.enabled():
+        return False
+    if llamacpp.binary("libllama.so") is None or not gguf_file.has_gguf(name):
+        return False
+    from .decoding import costmodel
+
+    return costmodel.auto_llama_cpp(name, lambda: Target.load(name, dtype=parse_dtype(dtype), device=device),
+                                    lambda: _load_target(name, parse_dtype(dtype), device, quantize, True))
+
+
 @functools.lru_cache(maxsize=2)
 def _load_target(name: str, dtype, device: str = "cpu", quantize: str = "none", gguf: bool = False) -> Target:
     """Targets are cached per process (engines share them; each engine re-sets the taps it needs);
@@ -276,7 +294,7 @@ def _load_target(name: str, dtype, device: str = "cpu", quantize: str = "none", 
 
 def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = None,
          dtype: str = "auto", seed: int = 0, quiet: bool = False, device: str | None = None,
-         backend: str = "auto", quantize: str = "none") -> Engine:
+         backend: str = "auto", quantize: str = "none", torch_only: bool = False) -> Engine:
     """Load a target (built-in name, HF directory or .gguf) and a drafter.
 
     drafter: None -> the shipped drafter of the target (a random one, with a warning, if none is
@@ -286,9 +304,12 @@ def load(target: str = registry.DEFAULT_TARGET, drafter: str | Drafter | None = 
     else "cpu". backend: the target's forward path (`Target.set_backend`): auto | hf | static | compiled |
     compiled-cpp | llama-cpp (the target's GGUF in libllama: a built-in name or a .gguf); it is the engine's own (the target, cached and shared, is put in each engine's state
     before it runs). quantize: "none" | "int8" | "int4" (weight-only quantized target on CPU; this
-    changes the target, see `models/quant.py`).
+    changes the target, see `models/quant.py`). torch_only: backend auto stays on PyTorch (for batched
+    decoding, `BatchDecoder`, and the bench's Hugging Face arms).
     """
-    tgt = _load_target(target, parse_dtype(dtype), check_device(device), quantize, backend == "llama-cpp")
+    gguf = backend == "llama-cpp" or (backend == "auto" and _auto_llama_cpp(target, dtype, check_device(device),
+                                                                             quantize, torch_only))
+    tgt = _load_target(target, parse_dtype(dtype), check_device(device), quantize, gguf)
     if isinstance(drafter, Drafter):
         d = drafter
     elif drafter == "none":

@@ -171,8 +171,8 @@ def load_engine(cfg: BenchConfig):
 
     drafter = cfg.drafter if cfg.needs_drafter else "none"
     return api.load(cfg.target, drafter, dtype=cfg.dtype, seed=cfg.seed, backend=cfg.backend, quantize=cfg.quantize,
-                    device=cfg.device,
-                    quiet=not cfg.needs_drafter)
+                    device=cfg.device, quiet=not cfg.needs_drafter,
+                    torch_only=True)  # our arms beside the Hugging Face ones: --backend llama-cpp asks for the GGUF
 
 
 def run_bench(cfg: BenchConfig, engine=None) -> dict:

@@ -96,13 +96,29 @@ AUTO_SIZES = (0, 1, 8)  # `auto_backend` scores a backend by a plain step, an 8-
 AUTO_ROWS_READ = 3       # logits rows a step reads (tau): the eager LM head runs over each of them
 
 
+def step_times(target, backends) -> dict[str, float]:
+    """{backend: seconds of a plain step + an 8-node tree + the rows a step reads of their logits},
+    the faster of two interleaved rounds."""
+    times = {}
+    for backend in tuple(backends) * 2:
+        target.set_backend(backend)
+        costs = measure(target, AUTO_SIZES, use_cache=False)
+        t = costs[1] + costs[8] + AUTO_ROWS_READ * costs[0]
+        times[backend] = min(t, times.get(backend, t))
+    return times
+
+
+def _said(times: dict[str, float]) -> str:
+    return ", ".join(f"{b} {t * 1e3:.1f} ms" for b, t in times.items())
+
+
 def auto_backend(target) -> str:
-    """`--backend auto`: static or compiled, whichever runs a plain step plus an 8-node tree (and the
-    rows a step reads of their logits) faster on this machine; timed once, interleaved twice (the
-    compiled steps built first: minutes), and saved per machine, model, dtype and threads. hf where
-    the static path does not support the model; static on a GPU, with a quantized target, and where
-    compiled steps are not kept on disk (TREEFLASH_AOT=0): compiling in every process would cost
-    more than it saves."""
+    """`--backend auto` for a PyTorch target: static or compiled, whichever runs a plain step plus an
+    8-node tree (and the rows a step reads of their logits) faster on this machine; timed once,
+    interleaved twice (the compiled steps built first: minutes), and saved per machine, model, dtype
+    and threads with its times. hf where the static path does not support the model; static on a
+    GPU, with a quantized target, and where compiled steps are not kept on disk (TREEFLASH_AOT=0):
+    compiling in every process would cost more than it saves."""
     from ..models import aot
     from ..models.fastpath import supported
 
@@ -118,19 +134,41 @@ def auto_backend(target) -> str:
         return saved
     print("treeflash: --backend auto: timing the static and compiled backends once on this machine "
           "(the compiled steps are built first: minutes)", file=sys.stderr)
-    times = {}
-    for backend in ("static", "compiled") * 2:  # interleaved; the faster round of each counts
-        target.set_backend(backend)
-        costs = measure(target, AUTO_SIZES, use_cache=False)
-        t = costs[1] + costs[8] + AUTO_ROWS_READ * costs[0]
-        times[backend] = min(t, times.get(backend, t))
+    times = step_times(target, ("static", "compiled"))
     choice = min(times, key=times.get)
-    print(f"treeflash: --backend auto chose {choice} (plain step + 8-node tree + rows read: "
-          + ", ".join(f"{b} {t * 1e3:.1f} ms" for b, t in times.items()) + ")", file=sys.stderr)
+    print(f"treeflash: --backend auto chose {choice} (plain step + 8-node tree + rows read: {_said(times)})",
+          file=sys.stderr)
     data = _load()
     data.setdefault("backend", {})[key] = choice
     _save(data)
     return choice
+
+
+def auto_llama_cpp(name: str, load_torch, load_gguf) -> bool:
+    """`--backend auto` for a target with a GGUF where llama.cpp is built (`api.load` says when):
+    whether llama.cpp's kernels on that file run a plain step plus an 8-node tree (and the rows read)
+    faster than the PyTorch backend `auto_backend` picks for the same weights; timed once per
+    machine, target and threads, and saved. `load_torch()` and `load_gguf()` load either target."""
+    cpu = platform.processor() or platform.machine()
+    key = "|".join([COSTS_VERSION, cpu, str(os.cpu_count()), str(torch.get_num_threads()), name])
+    saved = _load().get("engine", {}).get(key)
+    if saved is not None:
+        return saved == "llama-cpp"
+    print(f"treeflash: --backend auto: timing llama.cpp's kernels on {name}'s GGUF against PyTorch once on this "
+          "machine", file=sys.stderr)
+    target = load_torch()
+    backend = auto_backend(target)
+    times = step_times(target, (backend,))
+    del target
+    times.update(step_times(load_gguf(), ("llama-cpp",)))
+    choice = min(times, key=times.get)
+    print(f"treeflash: --backend auto chose {choice} (plain step + 8-node tree + rows read: {_said(times)})",
+          file=sys.stderr)
+    data = _load()
+    data.setdefault("engine", {})[key] = choice
+    data.setdefault("engine_times", {})[key] = times
+    _save(data)
+    return choice == "llama-cpp"
 
 
 def fingerprint(module) -> str:

@@ -24,6 +24,15 @@ def gguf_of(name_or_path: str) -> Path:
                          f"or a .gguf file, not {name_or_path!r}")
 
 
+def has_gguf(name_or_path: str) -> bool:
+    """Whether `gguf_of` finds a file for this name (a built-in whose assets are installed, or a .gguf path)."""
+    try:
+        gguf_of(name_or_path)
+    except TreeflashError:
+        return False
+    return True
+
+
 class _TypeTraits(ctypes.Structure):  # ggml.h's struct ggml_type_traits
     _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64), ("blck_size_interleave", ctypes.c_int64),
                 ("type_size", ctypes.c_size_t), ("is_quantized", ctypes.c_bool),

@@ -40,7 +40,7 @@ def register(sub) -> None:
 def _load_engine(args):
     from ..cli import load_engine
 
-    return load_engine(args, quiet=args.method in ("vanilla", "lookup"))
+    return load_engine(args, quiet=args.method in ("vanilla", "lookup"), torch_only=getattr(args, "max_batch", 1) > 1)
 
 
 def _check_bind(host: str, port: int) -> None:
