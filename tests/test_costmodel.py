@@ -4,6 +4,7 @@ import pytest
 from treeflash.api import Engine
 from treeflash.decoding import costmodel
 from treeflash.decoding.stats import Stats
+from treeflash.errors import TreeflashError
 
 from conftest import oracle, run, tiny_drafter, tiny_target, vanilla
 
@@ -137,11 +138,18 @@ def test_auto_llama_cpp_times_once_per_machine_and_keeps_the_faster(tmp_path, mo
     monkeypatch.setattr(costmodel, "step_times", step_times)
     monkeypatch.setattr(costmodel, "auto_backend", lambda target: "static")
     assert costmodel.auto_llama_cpp("m", lambda: Fake("torch"), lambda: Fake("gguf")) is True
-    assert loaded == ["torch", "gguf"]
+    assert loaded == ["gguf", "torch"]
     assert costmodel.auto_llama_cpp("m", lambda: Fake("torch"), lambda: Fake("gguf")) is True
-    assert loaded == ["torch", "gguf"]  # saved: no second timing
+    assert loaded == ["gguf", "torch"]  # saved: no second timing
     monkeypatch.setattr(costmodel, "step_times", lambda t, b: {x: {"torch": 0.01, "gguf": 0.02}[t.kind] for x in b})
     assert costmodel.auto_llama_cpp("other", lambda: Fake("torch"), lambda: Fake("gguf")) is False
+
+    def unreadable():
+        raise TreeflashError("llama.cpp cannot load m.gguf")
+
+    with pytest.raises(TreeflashError):  # the caller stays on PyTorch; nothing is saved
+        costmodel.auto_llama_cpp("third", lambda: Fake("torch"), unreadable)
+    assert "third" not in str(costmodel._load()["engine"])
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(dtype="float32"), dict(quantize="int8"), dict(torch_only=True),

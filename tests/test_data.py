@@ -383,7 +383,7 @@ def test_server_answers_keep_the_slots_full_and_every_answer_lands_once(tmp_path
     todo = [(f"p{i}", list(range(i + 1))) for i in range(20)]
     cfg = data.RegenConfig(batch_size=4, max_new_tokens=3)
     server = FakeServer()
-    got = list(data.server_answers(server, todo, cfg))
+    got = [a for group in data.server_answers(server, todo, cfg) for a in group]
     assert sorted(got) == sorted((pid, p, [len(p)] * 3) for pid, p in todo)
     assert server.most == 4 and server.closed
 
@@ -400,6 +400,7 @@ def test_regen_with_answers_from_a_server_resumes_and_stops_at_max_tokens(tiny_t
     meta = data.regenerate(target, tmp_path / "p.jsonl", tmp_path / "out", cfg, progress=False,
                            answers=lambda todo: data.server_answers(FakeServer(), todo, cfg))
     recs = {r["id"]: r for r in read_shards(tmp_path / "out")}
+    assert len(recs) == len(read_shards(tmp_path / "out")) == len(prompts)  # each answer once
     assert meta["finished"] and meta["run_response_tokens"] == (len(prompts) - 2) * MAX_NEW
     for p in prompts:
         n = len(target.apply_chat(p["messages"]))

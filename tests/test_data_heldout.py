@@ -63,7 +63,10 @@ def prompt_rows(tmp_path_factory):
 
 def test_every_answer_is_to_a_prompt_of_the_recipe_and_holds_no_benchmark_prompt(prompt_rows):
     ids = data_ids(QWEN_DATA)
-    assert len(ids) >= 2240 and ids <= prompt_rows.keys()
+    # stubs cut from the standard library depend on the Python that runs `data stubs`: another
+    # version's source makes other stubs, so only the ones it still makes are checked there
+    assert len(ids) >= 2240 and {i for i in ids if not i.startswith("stdlib/")} <= prompt_rows.keys()
+    ids &= prompt_rows.keys()
     index, sizes = bench_index()
     assert len(sizes) == sum(len(load_dataset(name)) for name in DATASETS)  # every item keeps shingles to find
     for pid in sorted(ids):

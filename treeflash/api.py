@@ -225,10 +225,13 @@ class Engine:
     def generate_batch(self, prompts: list, config: GenerationConfig | None = None, *, chat: bool = True,
                        **overrides) -> list[Result]:
         """`generate` for several prompts decoded together, one target forward per step for all
-        (`decoding/batch.py`; the static and compiled backends)."""
+        (`decoding/batch.py`; the static and compiled backends; on the others one after another)."""
         from .decoding.batch import BatchDecoder
+        from .models.fastpath import FastPath
 
         cfg = self.config(config, **overrides)
+        if not isinstance(self.target.runner, FastPath):  # hf, llama-cpp: the same results, one after another
+            return [self.generate(x, cfg, chat=chat) for x in prompts]
         dec = BatchDecoder(self.target, self.drafter)
         prepared = [self.prepare(x, cfg, chat) for x in prompts]
         dec.warm(sum(p.rows(p.params.budget) for _, _, p in prepared))
@@ -276,9 +279,20 @@ def _auto_llama_cpp(name: str, dtype: str, device: str, quantize: str, torch_onl
     if llamacpp.binary("libllama.so") is None or not gguf_file.has_gguf(name):
         return False
     from .decoding import costmodel
+    from .models.llama_backend import TAP_ARCHS, LlamaTarget
 
-    return costmodel.auto_llama_cpp(name, lambda: Target.load(name, dtype=parse_dtype(dtype), device=device),
-                                    lambda: _load_target(name, parse_dtype(dtype), device, quantize, True))
+    def gguf_target():  # not kept: the engine loads the winner through `_load_target`
+        t = LlamaTarget.load(name, dtype=parse_dtype(dtype))
+        if t.gguf.arch not in TAP_ARCHS:
+            raise TreeflashError(f"llama.cpp does not expose the layer states of {t.gguf.arch} models to a drafter")
+        return t
+
+    try:
+        return costmodel.auto_llama_cpp(name, lambda: Target.load(name, dtype=parse_dtype(dtype), device=device),
+                                        gguf_target)
+    except TreeflashError as e:
+        print(f"treeflash: --backend auto stays on PyTorch: {e}", file=sys.stderr)
+        return False
 
 
 @functools.lru_cache(maxsize=2)

@@ -61,8 +61,9 @@ def add_backend_arg(p: argparse.ArgumentParser) -> None:
                         "from ~/.cache/treeflash/aot in seconds), compiled-cpp = compiled with every matmul in "
                         "inductor's C++ GEMM template (x86 CPUs; faster verify on CPUs without AVX-512), "
                         "hf = the model's own forward, llama-cpp = the target's GGUF in llama.cpp (4-bit "
-                        "included; `make llama-cpp`); auto = the faster of static and compiled here, "
-                        "timed once per machine (hf where static does not support the model)")
+                        "included; `make llama-cpp`); auto = the fastest of static, compiled and (where llama.cpp is "
+                        "built and the target has a GGUF) llama-cpp here, timed once per machine (hf where "
+                        "static does not support the model)")
 
 
 def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:

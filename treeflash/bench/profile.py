@@ -185,7 +185,7 @@ def run(args) -> int:
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise TreeflashError("--num-prompts and --max-new-tokens must be >= 1")
     methods = [m for m in args.methods.split(",") if m]
-    engine = load_engine(args)
+    engine = load_engine(args, torch_only=bool(args.verify_costs))  # --verify-costs sets PyTorch backends
     if args.verify_costs:
         return print_verify_costs(engine, args.verify_costs.split(","), args.json)
     from ..api import generation_config

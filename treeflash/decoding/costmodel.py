@@ -148,7 +148,8 @@ def auto_llama_cpp(name: str, load_torch, load_gguf) -> bool:
     """`--backend auto` for a target with a GGUF where llama.cpp is built (`api.load` says when):
     whether llama.cpp's kernels on that file run a plain step plus an 8-node tree (and the rows read)
     faster than the PyTorch backend `auto_backend` picks for the same weights; timed once per
-    machine, target and threads, and saved. `load_torch()` and `load_gguf()` load either target."""
+    machine, target and threads, and saved. `load_torch()` and `load_gguf()` load either target
+    (a `TreeflashError` from them goes to the caller, and nothing is saved)."""
     cpu = platform.processor() or platform.machine()
     key = "|".join([COSTS_VERSION, cpu, str(os.cpu_count()), str(torch.get_num_threads()), name])
     saved = _load().get("engine", {}).get(key)
@@ -156,11 +157,12 @@ def auto_llama_cpp(name: str, load_torch, load_gguf) -> bool:
         return saved == "llama-cpp"
     print(f"treeflash: --backend auto: timing llama.cpp's kernels on {name}'s GGUF against PyTorch once on this "
           "machine", file=sys.stderr)
+    gguf = load_gguf()  # first: a file llama.cpp cannot run costs no PyTorch timing
+    times = step_times(gguf, ("llama-cpp",))
+    del gguf
     target = load_torch()
     backend = auto_backend(target)
-    times = step_times(target, (backend,))
-    del target
-    times.update(step_times(load_gguf(), ("llama-cpp",)))
+    times.update(step_times(target, (backend,)))
     choice = min(times, key=times.get)
     print(f"treeflash: --backend auto chose {choice} (plain step + 8-node tree + rows read: {_said(times)})",
           file=sys.stderr)

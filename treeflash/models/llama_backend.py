@@ -316,7 +316,7 @@ class LlamaTarget(Target):
     config read from the GGUF by transformers (or the built-in target's converted directory, when
     present); in PyTorch only what the drafter reads, its token embedding and LM head."""
 
-    WINDOW = 4096  # the context window, at most (llama.cpp allocates its KV cache for it)
+    WINDOW = 32768  # the context window, at most (the model's trained one where shorter; llama.cpp allocates its KV cache for it)
 
     def __init__(self, gguf: GGUFModel, config, tokenizer, dtype: torch.dtype, name: str):
         self.model = None  # no PyTorch copy of the target (Hugging Face's own methods skip it)

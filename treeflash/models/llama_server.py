@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import socket
 import subprocess
 import tempfile
@@ -45,8 +46,7 @@ class LlamaServer:
         deadline = time.time() + ready_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise TreeflashError(f"llama-server exited: {self.log.read()[-400:]}")
+                raise TreeflashError(f"llama-server exited: {self.log_tail(400)}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -57,16 +57,26 @@ class LlamaServer:
         raise TreeflashError(f"llama-server did not become ready in {ready_s:.0f} s")
 
     def complete(self, prompt_ids, n_predict: int, **body) -> dict:
-        """Greedy `/completion` of token ids; the reply holds `tokens` (stop tokens left out, as the
-        server does), `stop_type` and the server's own `timings`."""
+        """Greedy `/completion` of token ids; the reply holds `tokens` (ending with the
+        end-of-generation token that stopped it, if one did), `stop_type` and the server's own
+        `timings`. A failed request is one line with the end of the server's log."""
         if self.proc is None:
             self.start()
         body = {"prompt": list(map(int, prompt_ids)), "n_predict": n_predict, "temperature": 0.0, "top_k": 1,
                 "return_tokens": True, "cache_prompt": False, **body}
         req = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=3600) as r:
-            return json.loads(r.read())
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as r:
+                return json.loads(r.read())
+        except OSError as e:  # URLError, HTTPError, a dropped connection
+            raise TreeflashError(f"llama-server failed a request ({e}): {self.log_tail()}") from None
+
+    def log_tail(self, chars: int = 300) -> str:
+        """The end of the server's log, read without moving the offset it writes at (shared)."""
+        fd = self.log.fileno()
+        size = os.fstat(fd).st_size
+        return " ".join(os.pread(fd, chars, max(0, size - chars)).decode(errors="replace").split())
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

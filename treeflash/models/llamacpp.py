@@ -140,9 +140,14 @@ def target_gguf(target: str, out_file: str | Path, outtype: str = "bf16") -> Pat
     from . import registry
 
     out_file = Path(out_file)
-    if not out_file.exists():
+    if not out_file.exists():  # written aside, then renamed: a stopped conversion leaves no file to reuse
         target_dir, _ = registry.resolve_target(target)
-        run_converter(target_dir, out_file, outtype)
+        part = out_file.with_name(f"{out_file.stem}.{os.getpid()}.part.gguf")
+        try:
+            run_converter(target_dir, part, outtype)
+            part.replace(out_file)
+        finally:
+            part.unlink(missing_ok=True)
     return out_file
 
 

@@ -61,7 +61,8 @@ def register(sub) -> None:
     rg.add_argument("--max-tokens", type=int, default=None,
                     help="stop after this many response tokens in total (counting earlier runs)")
     rg.add_argument("--shard-size", type=int, default=256, help="sequences per shard")
-    rg.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    rg.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's); with --engine llama-server, the server's (default: all cores)")
     rg.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_device_arg(rg)
     rg.set_defaults(func=run_regen)
@@ -189,17 +190,21 @@ def run_regen(args) -> int:
         torch.set_num_threads(args.threads)
     from ..api import check_device
 
-    target = Target.load(args.target, dtype=args.dtype, device=check_device(args.device))
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` saves the finished records like Ctrl-C
     dtype, answers = args.dtype, None
-    if args.engine == "llama-server":
+    if args.engine == "llama-server":  # the PyTorch target only templates the prompts: on the CPU
+        import os
+
         from ..models.llama_server import LlamaServer
         from .data import server_answers
 
         gguf, dtype = regen_gguf(args.target, args.gguf)
-        server = LlamaServer(gguf, args.threads or 2, ctx=cfg.max_prompt_tokens + cfg.max_new_tokens + 8,
-                             parallel=cfg.batch_size).start()
+        target = Target.load(args.target, dtype="bfloat16", device="cpu")
+        server = LlamaServer(gguf, args.threads or os.cpu_count() or 1,
+                             ctx=cfg.max_prompt_tokens + cfg.max_new_tokens + 8, parallel=cfg.batch_size).start()
         answers = lambda todo: server_answers(server, todo, cfg)  # noqa: E731
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` saves the finished records like Ctrl-C
+    else:
+        target = Target.load(args.target, dtype=args.dtype, device=check_device(args.device))
     meta = regenerate(target, args.prompts, args.out, cfg, dtype=dtype, target_name=args.target,
                       progress=not args.no_progress, answers=answers)
     print(json.dumps(meta))

@@ -398,18 +398,18 @@ def generate_batch(target, prompts: list[list[int]], max_new_tokens: int) -> lis
 
 
 def batch_answers(target, todo: list[tuple[str, list[int]]], cfg: RegenConfig):
-    """(id, prompt, response) for each prompt, answered by the target in length-sorted batches."""
+    """Lists of (id, prompt, response), one per length-sorted batch the target answers."""
     for batch in length_sorted_batches(todo, cfg.batch_size, cfg.sort_window):
         responses = generate_batch(target, [p for _, p in batch], cfg.max_new_tokens)
-        for (pid, prompt), resp in zip(batch, responses):
-            yield pid, prompt, resp
+        yield [(pid, prompt, resp) for (pid, prompt), resp in zip(batch, responses)]
 
 
 def server_answers(server, todo: list[tuple[str, list[int]]], cfg: RegenConfig):
-    """(id, prompt, response) for each prompt, answered greedily by a `LlamaServer` with
+    """[(id, prompt, response)] for each prompt, answered greedily by a `LlamaServer` with
     `cfg.batch_size` requests in flight (its slots), in the order they finish. The server's
-    `tokens` end with the stop token as `generate_batch`'s responses do. Closing the stream stops
-    the server; the requests in flight are dropped (a resumed run asks them again)."""
+    `tokens` end with the end-of-generation token that stopped it, as `generate_batch`'s end with
+    a stop id (llama.cpp stops at any of the model's end-of-generation tokens). Closing the stream
+    stops the server; the requests in flight are dropped (a resumed run asks them again)."""
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
     pool = ThreadPoolExecutor(cfg.batch_size)
@@ -427,7 +427,7 @@ def server_answers(server, todo: list[tuple[str, list[int]]], cfg: RegenConfig):
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for f in done:
                 pid, prompt = pending.pop(f)
-                yield pid, prompt, [int(t) for t in f.result()["tokens"]]
+                yield [(pid, prompt, [int(t) for t in f.result()["tokens"]])]
                 submit()
     finally:
         server.close()
@@ -496,8 +496,9 @@ def regenerate(target, prompts_path: Path, out_dir: Path, cfg: RegenConfig, dtyp
                target_name: str | None = None, progress: bool = True, answers=None) -> dict:
     """Regenerate responses for the prompts into shards under `out_dir` (resuming); return meta.
 
-    `answers(todo)` yields (id, prompt ids, response ids) for the (id, prompt ids) it is given, in
-    any order; by default `batch_answers` (the target itself, in PyTorch), or `server_answers`."""
+    `answers(todo)` yields lists of (id, prompt ids, response ids) for the (id, prompt ids) it is
+    given, in any order; by default `batch_answers` (the target itself, in PyTorch), or
+    `server_answers`. `cfg.max_tokens` is checked after each list."""
     from tqdm import tqdm
 
     cfg.check()
@@ -529,22 +530,23 @@ def regenerate(target, prompts_path: Path, out_dir: Path, cfg: RegenConfig, dtyp
     answer = answers or (lambda items: batch_answers(target, items, cfg))
     stream = answer(todo if budget_left is None or budget_left > 0 else [])
     try:
-        for pid, prompt, resp in stream:
-            buffer.append({"id": pid, "input_ids": prompt + resp, "prompt_len": len(prompt)})
-            prog.done_ids.add(pid)
-            prog.response_tokens += len(resp)
-            prog.run_response_tokens += len(resp)
-            prog.total_tokens += len(prompt) + len(resp)
-            prog.eos_finished += int(bool(resp) and resp[-1] in stop)
+        for group in stream:  # every answer of a group is kept, then the budget is checked
+            for pid, prompt, resp in group:
+                buffer.append({"id": pid, "input_ids": prompt + resp, "prompt_len": len(prompt)})
+                prog.done_ids.add(pid)
+                prog.response_tokens += len(resp)
+                prog.run_response_tokens += len(resp)
+                prog.total_tokens += len(prompt) + len(resp)
+                prog.eos_finished += int(bool(resp) and resp[-1] in stop)
+                if budget_left is not None:
+                    budget_left -= len(resp)
             rate = prog.run_response_tokens / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(seqs=len(prog.done_ids), tok_s=f"{rate:.0f}", refresh=False)
-            bar.update(len(resp))
+            bar.update(sum(len(resp) for *_, resp in group))
             if len(buffer) >= cfg.shard_size:
                 flush(cfg.shard_size)
-            if budget_left is not None:
-                budget_left -= len(resp)
-                if budget_left <= 0:
-                    break
+            if budget_left is not None and budget_left <= 0:
+                break
     except BaseException:  # Ctrl-C, SIGTERM or a failed answer: keep the finished records, then stop
         stream.close()
         flush(1)
