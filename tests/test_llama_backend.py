@@ -269,3 +269,11 @@ def test_backend_auto_loads_the_gguf_where_llama_cpp_times_faster(tiny_gguf, tmp
     plain = eng.generate("def f(x):", method="vanilla", max_new_tokens=8, chat=False, ignore_eos=True)
     assert len(plain.token_ids) == 8
     api._load_target.cache_clear()
+
+
+@built
+def test_generate_batch_runs_the_prompts_one_after_another(engine):
+    got = engine.generate_batch(PROMPTS, method="treeflash", tree_size=8, max_new_tokens=12, chat=False,
+                                ignore_eos=True)
+    want = [engine.generate(p, method="vanilla", max_new_tokens=12, chat=False, ignore_eos=True) for p in PROMPTS]
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
