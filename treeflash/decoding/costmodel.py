@@ -31,10 +31,15 @@ CACHE_FILE = Path(os.environ.get("TREEFLASH_CACHE", Path.home() / ".cache" / "tr
 COSTS_VERSION = "2"  # bump when the forward paths change, so old measurements are not reused
 
 
+def _machine(name: str) -> list[str]:
+    """The costs' version, this machine, its threads and a model's name: the head of every key."""
+    return [COSTS_VERSION, platform.processor() or platform.machine(), str(os.cpu_count()),
+            str(torch.get_num_threads()), name]
+
+
 def machine_key(target, context: int | None = None) -> str:
     """This machine, threads, model, dtype, and (with a context) the backend and that context."""
-    cpu = platform.processor() or platform.machine()
-    parts = [COSTS_VERSION, cpu, str(os.cpu_count()), str(torch.get_num_threads()), target.name, str(target.dtype)]
+    parts = [*_machine(target.name), str(target.dtype)]
     return "|".join(parts if context is None else [*parts, target.backend, str(context)])
 
 
@@ -116,7 +121,7 @@ def auto_backend(target) -> str:
     """`--backend auto` for a PyTorch target: static or compiled, whichever runs a plain step plus an
     8-node tree (and the rows a step reads of their logits) faster on this machine; timed once,
     interleaved twice (the compiled steps built first: minutes), and saved per machine, model, dtype
-    and threads with its times. hf where the static path does not support the model; static on a
+    and threads. hf where the static path does not support the model; static on a
     GPU, with a quantized target, and where compiled steps are not kept on disk (TREEFLASH_AOT=0):
     compiling in every process would cost more than it saves."""
     from ..models import aot
@@ -138,9 +143,7 @@ def auto_backend(target) -> str:
     choice = min(times, key=times.get)
     print(f"treeflash: --backend auto chose {choice} (plain step + 8-node tree + rows read: {_said(times)})",
           file=sys.stderr)
-    data = _load()
-    data.setdefault("backend", {})[key] = choice
-    _save(data)
+    _remember(backend=(key, choice))
     return choice
 
 
@@ -150,8 +153,7 @@ def auto_llama_cpp(name: str, load_torch, load_gguf) -> bool:
     faster than the PyTorch backend `auto_backend` picks for the same weights; timed once per
     machine, target and threads, and saved. `load_torch()` and `load_gguf()` load either target
     (a `TreeflashError` from them goes to the caller, and nothing is saved)."""
-    cpu = platform.processor() or platform.machine()
-    key = "|".join([COSTS_VERSION, cpu, str(os.cpu_count()), str(torch.get_num_threads()), name])
+    key = "|".join(_machine(name))
     saved = _load().get("engine", {}).get(key)
     if saved is not None:
         return saved == "llama-cpp"
@@ -166,10 +168,7 @@ def auto_llama_cpp(name: str, load_torch, load_gguf) -> bool:
     choice = min(times, key=times.get)
     print(f"treeflash: --backend auto chose {choice} (plain step + 8-node tree + rows read: {_said(times)})",
           file=sys.stderr)
-    data = _load()
-    data.setdefault("engine", {})[key] = choice
-    data.setdefault("engine_times", {})[key] = times
-    _save(data)
+    _remember(engine=(key, choice), engine_times=(key, times))
     return choice == "llama-cpp"
 
 
@@ -190,9 +189,7 @@ def saved_choice(key: str) -> dict | None:
 
 def save_choice(key: str, choice: dict) -> None:
     """Keep a calibration for later processes on this machine (the cost table's file)."""
-    data = _load()
-    data.setdefault("auto", {})[key] = choice
-    _save(data)
+    _remember(auto=(key, choice))
 
 
 def _load() -> dict:
@@ -200,6 +197,14 @@ def _load() -> dict:
         return json.loads(CACHE_FILE.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def _remember(**entries: tuple[str, object]) -> None:
+    """Save each section's (key, value) in the cache file beside what it holds."""
+    data = _load()
+    for section, (key, value) in entries.items():
+        data.setdefault(section, {})[key] = value
+    _save(data)
 
 
 def _save(data: dict) -> None:
