@@ -20,7 +20,7 @@ def cli(capsys, *args):
 
 def test_generate_json(capsys):
     code, out, _ = cli(capsys, "generate", "Say hi.", "--drafter", "random", "--json", "--max-new-tokens", "12",
-                       "--method", "marginal")
+                       "--method", "marginal", "--tree-size", "8")
     assert code == 0
     d = json.loads(out)
     assert len(d["token_ids"]) == 12 and isinstance(d["text"], str) and d["text"]
@@ -30,7 +30,7 @@ def test_generate_json(capsys):
 
 
 def test_generate_streams_same_text_as_json(capsys):
-    args = ["generate", "Name a color.", "--drafter", "random", "--max-new-tokens", "10"]
+    args = ["generate", "Name a color.", "--drafter", "random", "--max-new-tokens", "10", "--tree-size", "8"]
     code, streamed, err = cli(capsys, *args)
     assert code == 0 and "tau" in err and "tok/s" in err
     _, out, _ = cli(capsys, *args, "--json")
@@ -62,6 +62,7 @@ BAD = [
     (["generate", "hi", "--top-p", "1.5"], "top-p"),
     (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
     (["generate", "hi", "--drafter", "/nonexistent/drafter"], "not found"),
+    (["generate", "hi", "--drafter", "none"], "needs a drafter"),  # before --tree-size auto says anything
     (["generate", "hi", "--target", "/nonexistent/model"], "target"),
 ]
 
@@ -186,7 +187,7 @@ def test_generate_compare_decodes_plainly_too(capsys):
     """--compare: the same prompt decoded plainly in the same process (greedy: the same tokens) and
     the speed ratio; in --json mode it is a field and stderr stays quiet."""
     args = ["generate", "Name a color.", "--drafter", "random", "--max-new-tokens", "10", "--compare",
-            "--dtype", "float32"]
+            "--dtype", "float32", "--tree-size", "8"]
     code, out, err = cli(capsys, *args, "--json")
     assert code == 0 and "plain decoding" not in err and "[vanilla@1]" not in err
     d = json.loads(out)

@@ -86,9 +86,14 @@ def parse(argv: list[str]):
 
 
 def test_defaults_are_defined_once():
-    """The CLI's defaults are the dataclass's: `generate` with no options gives GenerationConfig()."""
-    assert GenerationConfig.from_args(parse(["generate", "hi"])) == GenerationConfig()
-    assert GenerationConfig.from_args(parse(["serve"])) == GenerationConfig()
+    """The CLI's defaults are the dataclass's, except the tree size, which the commands that decode
+    measure (`cli.CLI_TREE_SIZE`, "auto"): `generate` with no options gives GenerationConfig() with it."""
+    from treeflash.cli import CLI_TREE_SIZE
+
+    assert CLI_TREE_SIZE == "auto" and GenerationConfig().tree_size == 8
+    for argv in (["generate", "hi"], ["serve"], ["chat"]):
+        assert GenerationConfig.from_args(parse(argv)) == GenerationConfig(tree_size=CLI_TREE_SIZE)
+    assert GenerationConfig.from_args(parse(["generate", "hi", "--tree-size", "5"])).tree_size == 5
 
 
 @pytest.mark.parametrize("name", FIELDS)

@@ -76,6 +76,29 @@ def test_engine_auto_tree_size_measures_caches_and_resolves(tmp_path, monkeypatc
     assert out == vanilla(target, PROMPT, 6)
 
 
+def test_commands_calibrate_the_tree_size_by_default(tmp_path, monkeypatch, capsys):
+    """`generate` without --tree-size resolves auto to a measured budget (said on stderr), and the
+    generation at that budget is plain decoding's tokens; the library's default stays a fixed 8."""
+    from treeflash.api import generation_config
+    from treeflash.cli import build_parser
+    from treeflash.config import GenerationConfig
+
+    monkeypatch.setattr(costmodel, "CACHE_FILE", tmp_path / "costs.json")
+    target = tiny_target("qwen2").set_backend("static")
+    target.tokenizer.chat_template = None
+    monkeypatch.setattr(type(target), "encode", lambda self, prompt, chat=True: PROMPT)
+    engine = Engine(target, tiny_drafter(target))
+    real = Engine.auto_tree_size  # a short calibration for the tiny model
+    monkeypatch.setattr(Engine, "auto_tree_size", lambda self, cfg: real(self, cfg, max_budget=12, tokens=8))
+    args = build_parser(["generate"]).parse_args(["generate", "hi", "--top-m", "3", "--top-k", "3", "--max-new-tokens", "6",
+                                                  "--ignore-eos"])
+    cfg = generation_config(engine, args)
+    assert isinstance(cfg.tree_size, int) and 1 <= cfg.tree_size <= 12
+    assert "tree size auto -> " in capsys.readouterr().err
+    assert list(engine.tokens(PROMPT, cfg)) == vanilla(target, PROMPT, 6)
+    assert GenerationConfig().tree_size == 8
+
+
 def test_bad_tree_size_is_a_clear_cli_error(capsys):
     from treeflash.cli import main
 

@@ -11,7 +11,7 @@ import torch
 from .decoding.generate import decode
 from .decoding.stats import Stats
 from .config import GenerationConfig, compiles_drafter, uses_cpp_gemm
-from .decoding.proposers import make_proposer, verify_rows
+from .decoding.proposers import check_drafter, make_proposer, verify_rows
 from .decoding.text import TextAssembler, pieces
 from .errors import TreeflashError
 from .models import aot, registry
@@ -149,10 +149,12 @@ class Engine:
         method = cfg.method
         disk_key = "|".join([costmodel.machine_key(self.target, 256), self._drafter_id(), repr(key[:-2]), str(max_budget)])
         plain = verify_rows(method, max_budget) < 2  # its trees are the root alone at any budget (vanilla)
+        if not plain:
+            check_drafter(method, self.drafter)  # before a calibration or a saved choice says anything
         saved = costmodel.saved_choice(disk_key) if not plain else None
         if saved is not None and "node_accept" not in saved:
             saved = None  # saved before the choice kept what the batch-adaptive budget reads: calibrate again
-        if plain or (self.drafter is None and method != "lookup"):
+        if plain:
             choice = AutoChoice(method, 1, 0.0, 1.0, 0.0, {})
         elif saved is not None:  # calibrated by an earlier process on this machine
             choice = AutoChoice(method, saved["budget"], saved["expected_tokens_per_s"], saved["expected_tau"],

@@ -80,12 +80,19 @@ def add_model_args(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
                         "its greedy output differs from the unquantized model's on some tokens)")
 
 
+# The commands that decode (generate, chat, serve) measure the tree size by default: the budget that
+# pays on this machine, from plain decoding on a CPU where trees cost more than they save to 8 or more
+# where a tree's verify costs little more than one row; calibrated once per machine and saved. The
+# library's `GenerationConfig` keeps a fixed 8 (a call has no calibration unless it asks for "auto").
+CLI_TREE_SIZE = "auto"
+
+
 def add_engine_args(p: argparse.ArgumentParser, **defaults) -> None:
     """Model options and every `GenerationConfig` field (generate, serve, chat)."""
     from .config import GenerationConfig
 
     add_model_args(p)
-    GenerationConfig.add_args(p, **defaults)
+    GenerationConfig.add_args(p, **{"tree_size": CLI_TREE_SIZE, **defaults})
 
 
 def load_engine(args, **kw):

@@ -58,10 +58,13 @@ def torch_threads() -> int:
 def run(args) -> int:
     from .api import generation_config
     from .cli import load_engine, print_json
+    from .decoding.sequence import check_request
     from .decoding.stats import Stats
 
     check_prompt(args.prompt)
     engine = load_engine(args, quiet=args.method in ("vanilla", "lookup"))
+    # a prompt no window holds fails before --tree-size auto calibrates (a minute on a first run)
+    check_request(engine.target.encode(args.prompt, chat=args.chat), args.max_new_tokens, engine.target.max_length)
     cfg = generation_config(engine, args)
     if args.json:
         result = engine.generate(args.prompt, cfg, chat=args.chat)

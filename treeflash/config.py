@@ -91,9 +91,9 @@ class GenerationConfig:
     method: str = _opt("treeflash+lookup", "decoding method (treeflash+lookup: the drafter's TreeFlash tree "
                                              "with branches copied from the text's own repeats)", choices=METHODS)
     tree_size: int | str = _opt(
-        8, "nodes verified per step, root included (default 8; docs/performance.md has the measured "
-           "choice per machine); auto: the budget that maximises expected tokens/s here, from the "
-           "target's measured verify cost (cached per machine) and a short calibration of the drafter",
+        8, "nodes verified per step, root included; auto: the budget that maximises expected tokens/s "
+           "here (1, plain decoding, where trees do not pay), from the target's measured verify cost and a "
+           "short calibration of the drafter, both saved per machine (the first run takes a minute or so)",
         type=tree_size_arg)
     top_m: int = _opt(8, "TreeFlash stage-1 candidates per position")
     top_k: int = _opt(8, "TreeFlash stage-2 children per candidate")
@@ -138,8 +138,7 @@ class GenerationConfig:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise TreeflashError("stop strings must be non-empty text")
         self.sampling(vocab)
-        if self.tree_size != "auto":
-            self.tree(vocab)
+        self.tree(vocab, TreeParams.budget if self.tree_size == "auto" else None)  # auto: before it calibrates
         return self
 
     def sampling(self, vocab: int) -> "SamplingParams":

@@ -218,15 +218,21 @@ def verify_rows(method: str, budget: int) -> int:
     return PROPOSERS[method.partition("+")[0]].rows(budget)
 
 
-def make_proposer(method: str, drafter, embed, lm_head, params: TreeParams,
-                  lookup: LookupParams | None = None, scores: LookupScores | None = None) -> Proposer:
-    """`NAME+lookup`: NAME's proposer with lookup branches (`lookup`: their parameters)."""
+def check_drafter(method: str, drafter) -> None:
+    """A one-line TreeflashError where `method` cannot run with `drafter` (None: no drafter)."""
     check_method(method)
-    base, _, plus = method.partition("+")
+    base = method.partition("+")[0]
     if base in DRAFTER_METHODS and drafter is None:
         raise TreeflashError(f"method {method!r} needs a drafter (--drafter PATH or --drafter random)")
     if base == "treeflash" and drafter.ar_approximation is None:
         raise TreeflashError(f"method {method!r} needs a drafter with a TreeFlash AR-approximation")
+
+
+def make_proposer(method: str, drafter, embed, lm_head, params: TreeParams,
+                  lookup: LookupParams | None = None, scores: LookupScores | None = None) -> Proposer:
+    """`NAME+lookup`: NAME's proposer with lookup branches (`lookup`: their parameters)."""
+    check_drafter(method, drafter)
+    base, _, plus = method.partition("+")
     if plus:
         return PROPOSERS[base](drafter, embed, lm_head, params, lookup or LookupParams(), scores)
     return PROPOSERS[base](drafter, embed, lm_head, params, lookup if base == "lookup" else None, scores)
