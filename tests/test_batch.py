@@ -1,4 +1,4 @@
-"""Batched decoding (decoding/batch.py, models/batchcache.py): every sequence of a batch decodes
+"""Batched decoding (decoding/batch.py, models/kvcache.py): every sequence of a batch decodes
 exactly what it decodes alone in the bs=1 loop, with staggered arrivals, a pool too small for all
 requests at once (admission waits), stop ids, max_new_tokens of 1 and a cancel in the middle."""
 from dataclasses import dataclass, replace
@@ -14,7 +14,7 @@ from treeflash.decoding.proposers import TreeParams, make_proposer
 from treeflash.decoding.sampling import SamplingParams
 from treeflash.decoding.stats import Stats
 from treeflash.errors import TreeflashError
-from treeflash.models.batchcache import PAGE_SIZE, BatchCache, round_up
+from treeflash.models.kvcache import PAGE_SIZE, BatchCache, round_up
 from treeflash.models.kvcache import StaticKV
 
 from conftest import ORACLES, tiny_drafter, tiny_target, vanilla
@@ -368,7 +368,7 @@ def test_needs_a_fastpath_backend_and_a_pool_large_enough():
 def test_one_drafter_pass_drafts_what_each_block_drafts_alone():
     """`Drafter.draft_blocks` (all blocks in one pass, each seeing its own context) and
     `extend_contexts` (all contexts' keys / values in one pass) against the drafter run per sequence."""
-    from treeflash.models.drafter import DraftCache
+    from treeflash.models.kvcache import DraftCache
 
     target = tiny_target("qwen2")
     drafter = tiny_drafter(target, block_size=8)

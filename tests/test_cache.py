@@ -329,7 +329,7 @@ def test_a_long_context_extends_the_bf16_drafter_in_float32_where_bf16_is_emulat
     import copy
 
     from treeflash.models import drafter as drafter_mod
-    from treeflash.models.drafter import DraftCache
+    from treeflash.models.kvcache import DraftCache
     from treeflash.models.cpu import UPCAST_MIN_ROWS
 
     d = tiny_drafter(tiny_target("llama")).to(torch.bfloat16)

@@ -18,7 +18,8 @@ from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
 from treeflash.cli import main
 from treeflash.errors import TreeflashError
-from treeflash.models.drafter import DraftCache, Drafter, load_drafter
+from treeflash.models.drafter import Drafter, load_drafter
+from treeflash.models.kvcache import DraftCache
 from treeflash.models.drafter_config import QWEN3_DEFAULTS, DrafterConfig, check_fits, default_target_layer_ids
 from treeflash.models.target import Target
 
@@ -440,7 +441,7 @@ def test_draft_vocabulary_round_trips_restricts_proposals_and_rejects_bad_files(
 
     from treeflash.decoding.proposers import TreeParams, make_proposer
     from treeflash.errors import TreeflashError
-    from treeflash.models.drafter import DraftCache
+    from treeflash.models.kvcache import DraftCache
     from treeflash.models.drafter import load_drafter
     from treeflash.models.drafter_io import DRAFT_VOCAB_NAME
     from conftest import block_states, run, tiny_drafter, tiny_target, vanilla
@@ -512,7 +513,7 @@ def test_factored_correction_and_prev_table_match_the_plain_correction():
                                    d.ar_approximation.prev_part(target.embed(d.draft_vocab[cols])))
         assert not torch.allclose(heads.prev_table()[cols], table[cols])
     # the proposer's table path and its lookup path build the same tree
-    from treeflash.models.drafter import DraftCache
+    from treeflash.models.kvcache import DraftCache
     cache = DraftCache(1)
     d.extend(cache, torch.randn(6, 2 * 64), torch.arange(6))
     p = make_proposer("treeflash", d, target.embed, target.lm_head,

@@ -58,7 +58,7 @@ def test_stage2_vocabulary_is_lossless_and_matches_full_when_wide(setup):
         assert run(target, p, PROMPT, N) == ref
     full = make_proposer("treeflash", drafter, target.embed, target.lm_head, TreeParams(12, 3, 3, 0))
     wide = make_proposer("treeflash", drafter, target.embed, target.lm_head, TreeParams(12, 3, 3, V))
-    from treeflash.models.drafter import DraftCache
+    from treeflash.models.kvcache import DraftCache
     cache = DraftCache(1)
     feats = torch.randn(len(PROMPT), 2 * target.config.hidden_size)
     drafter.extend(cache, feats, torch.arange(len(PROMPT)))
@@ -147,7 +147,7 @@ def test_compiled_backend_is_lossless():
     assert out == ref and stats.mean_acceptance_length > 1.5
     # the compiled block pass drafts what the eager one does, at any context length, also when it
     # appends the deferred context of the last step in the same call
-    from treeflash.models.drafter import DraftCache
+    from treeflash.models.kvcache import DraftCache
     cache, ref_cache = DraftCache(len(drafter.model.layers)), DraftCache(len(drafter.model.layers))
     emb = target.embed(torch.arange(8))
     for i, n in enumerate((5, 3, 1, 2)):
@@ -232,7 +232,7 @@ def test_compiled_treeflash_heads_build_the_eager_tables():
     also for a root outside the draft vocabulary (its previous-token half is not in the table),
     and stay lossless."""
     from treeflash.decoding.proposers import TreeParams, make_proposer
-    from treeflash.models.drafter import DraftCache
+    from treeflash.models.kvcache import DraftCache
 
     target = tiny_target("llama", logit_scale=3.0)
     ref = vanilla(target, PROMPT, N)

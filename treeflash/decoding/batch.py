@@ -7,7 +7,7 @@
    compiled backends), each sequence accepts with its own sampler and RNG (`sampling.accept`), the
    pool keeps the accepted paths, the drafter contexts grow (one pass), and each
    `sequence.Sequence` emits its tokens by the rules the bs=1 loop runs too;
-2. admit: waiting requests whose worst case fits the slot pool (`models/batchcache.py`) join;
+2. admit: waiting requests whose worst case fits the slot pool (`models/kvcache.py`) join;
 3. prefill: the next chunk of each prompt (`sequence.prefill_chunks`), in one forward; a prompt's
    last chunk emits its first token, so a long prompt delays the others by a chunk per step.
 Faults stay with their sequence: an exception in its own work (tree, sampler, tokens) ends it
@@ -25,7 +25,7 @@ import torch
 
 from ..config import GenerationConfig
 from ..errors import TreeflashError
-from ..models.batchcache import PAGE_SIZE, BatchCache, round_up
+from ..models.kvcache import PAGE_SIZE, BatchCache, round_up
 from ..models.drafter import Drafter
 from ..models.fastpath import BUCKETS, FastPath
 from ..models.target import Target

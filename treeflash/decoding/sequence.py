@@ -19,7 +19,8 @@ import torch
 
 from ..config import GenerationConfig
 from ..errors import TreeflashError
-from ..models.drafter import DraftCache, Drafter
+from ..models.drafter import Drafter
+from ..models.kvcache import DraftCache
 from ..models.target import Target
 from .proposers import Proposer
 from .sampling import Acceptance, SamplingParams, choose

@@ -33,6 +33,7 @@ from . import drafter_io
 from .attention import apply_rope, linear, stacked_attention
 from .cpu import UPCAST_MIN_ROWS, upcast_pays
 from .drafter_config import DrafterConfig
+from .kvcache import DraftCache, flat_kv
 
 AR_NORM_EPS = 1e-6  # the published SwiGLU AR-approximation hard-codes its norm's eps
 
@@ -162,40 +163,6 @@ class ARApproximation(nn.Module):
         """h [R, H], ug [R, 2A] (both halves summed) -> corrected pre-norm states [R, H]."""
         u, g = ug.chunk(2, -1)
         return h + self.d(F.silu(g) * u)
-
-
-class DraftCache:
-    """Per-layer context keys/values of the drafter: grows by the accepted positions each step.
-
-    `pending` holds context not yet turned into keys/values (features [n, taps*H], positions [n]):
-    the decode loop defers its per-step append, and the next block pass computes it in the same
-    (compiled) call."""
-
-    def __init__(self, n_layers: int):
-        self.k: list[torch.Tensor | None] = [None] * n_layers  # each [nkv, C, hd]
-        self.v: list[torch.Tensor | None] = [None] * n_layers
-        self.length = 0  # context positions, pending included
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def append(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        # contiguous from the start: a compiled block pass then sees one layout every step
-        self.k[i] = k.contiguous() if self.k[i] is None else torch.cat([self.k[i], k], 1)
-        self.v[i] = v.contiguous() if self.v[i] is None else torch.cat([self.v[i], v], 1)
-
-    def defer(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
-        if self.pending is not None:
-            feats, positions = torch.cat([self.pending[0], feats]), torch.cat([self.pending[1], positions])
-        self.pending = (feats, positions)
-        self.length += len(positions)
-
-    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        p, self.pending = self.pending, None
-        return p
-
-
-def flat_kv(cache: DraftCache) -> list[torch.Tensor]:
-    """k_0, v_0, k_1, v_1, ...: the cache as a compiled pass takes it (`drafter_steps`)."""
-    return [t for k_v in zip(cache.k, cache.v) for t in k_v]
 
 
 class Drafter(nn.Module):

@@ -40,10 +40,9 @@ from torch import nn
 from ..errors import TreeflashError
 from .aot import enabled as aot_enabled
 from .attention import apply_rope, linear, stacked_attention
-from .batchcache import round_up
 from .cpu import UPCAST_MIN_ROWS, upcast_pays
 from .inductor import compile_frozen, cpp_gemm_supported
-from .kvcache import StaticKV, attention_mask, causal
+from .kvcache import StaticKV, attention_mask, causal, round_up
 from .lazy_logits import LazyLogits
 from .steps import PackagedSteps
 

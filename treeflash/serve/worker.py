@@ -32,7 +32,7 @@ from ..decoding.serial import SerialDecoder
 from ..decoding.stats import Stats
 from ..decoding.text import TextAssembler
 from ..errors import TreeflashError
-from ..models.batchcache import PAGE_SIZE, round_up
+from ..models.kvcache import PAGE_SIZE, round_up
 from .budget_tuner import BudgetTuner
 from .jobs import Done, Job, ServeConfig
 from .metrics import Metrics
