@@ -14,8 +14,7 @@ from treeflash.decoding.proposers import TreeParams, make_proposer
 from treeflash.decoding.sampling import SamplingParams
 from treeflash.decoding.stats import Stats
 from treeflash.errors import TreeflashError
-from treeflash.models.kvcache import PAGE_SIZE, BatchCache, round_up
-from treeflash.models.kvcache import StaticKV
+from treeflash.models.kvcache import PAGE_SIZE, BatchCache, StaticKV, round_up
 
 from conftest import ORACLES, tiny_drafter, tiny_target, vanilla
 

@@ -50,6 +50,11 @@ def changed(f: dataclasses.Field):
 VALUES = {f.name: changed(f) for f in dataclasses.fields(GenerationConfig)}
 
 
+def fixed(name: str) -> list[str]:
+    """A fixed tree size for the commands (their default, auto, would calibrate first), unless it is the field tested."""
+    return [] if name == "tree_size" else ["--tree-size", "8"]
+
+
 def flags(name: str) -> list[str]:
     v, opt = VALUES[name], "--" + name.replace("_", "-")
     if isinstance(v, bool):
@@ -104,7 +109,7 @@ def test_api_option_reaches_the_engine(engine, seen, name):
 
 @pytest.mark.parametrize("name", FIELDS)
 def test_generate_cli_option_reaches_the_engine(seen, capsys, name):
-    argv = ["generate", "x", "--no-chat"] + flags(name) + ([] if name == "max_new_tokens" else ["--max-new-tokens", "4"])
+    argv = ["generate", "x", "--no-chat"] + fixed(name) + flags(name) + ([] if name == "max_new_tokens" else ["--max-new-tokens", "4"])
     args = parse(argv)
     assert args.func(args) == 0
     assert getattr(seen[-1], name) == VALUES[name]
@@ -113,7 +118,7 @@ def test_generate_cli_option_reaches_the_engine(seen, capsys, name):
 @pytest.mark.parametrize("name", FIELDS)
 def test_chat_option_reaches_the_engine(seen, capsys, monkeypatch, name):
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
-    args = parse(["chat"] + flags(name) + ([] if name == "max_new_tokens" else ["--max-new-tokens", "4"]))
+    args = parse(["chat"] + fixed(name) + flags(name) + ([] if name == "max_new_tokens" else ["--max-new-tokens", "4"]))
     assert args.func(args) == 0
     assert getattr(seen[-1], name) == VALUES[name]
 
@@ -126,7 +131,7 @@ def test_serve_option_reaches_the_engine_through_a_request(engine, seen, name):
     from treeflash.serve.app import create_app
     from treeflash.serve.cli import _config
 
-    args = parse(["serve"] + flags(name) + ([] if name == "max_new_tokens" else ["--max-new-tokens", "4"]))
+    args = parse(["serve"] + fixed(name) + flags(name) + ([] if name == "max_new_tokens" else ["--max-new-tokens", "4"]))
     config = _config(args, "tiny")
     with TestClient(create_app(engine, config)) as client:
         r = client.post("/v1/completions", json={"prompt": PROMPT})

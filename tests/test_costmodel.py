@@ -96,6 +96,9 @@ def test_commands_calibrate_the_tree_size_by_default(tmp_path, monkeypatch, caps
     assert isinstance(cfg.tree_size, int) and 1 <= cfg.tree_size <= 12
     assert "tree size auto -> " in capsys.readouterr().err
     assert list(engine.tokens(PROMPT, cfg)) == vanilla(target, PROMPT, 6)
+    assert generation_config(engine, args, quiet=True) == cfg and not capsys.readouterr().err  # --json
+    plain = build_parser(["generate"]).parse_args(["generate", "hi", "--method", "vanilla"])
+    assert generation_config(engine, plain).tree_size == 1 and not capsys.readouterr().err  # nothing to choose
     assert GenerationConfig().tree_size == 8
 
 

@@ -242,13 +242,15 @@ class Engine:
         return [Result(t.final_text(), ids, st) for t, (ids, st) in zip(texts, dec.run(seqs))]
 
 
-def generation_config(engine: Engine, args) -> GenerationConfig:
+def generation_config(engine: Engine, args, quiet: bool = False) -> GenerationConfig:
     """The parsed options' GenerationConfig, checked, with --tree-size auto replaced by the measured
-    choice (said on stderr). Every command that decodes (generate, serve, chat, profile) builds it here."""
+    choice (said on stderr unless quiet, or the method never drafts). Every command that decodes
+    (generate, serve, chat, profile) builds it here."""
     cfg = engine.config(GenerationConfig.from_args(args))
     if cfg.tree_size == "auto":
         choice = engine.auto_tree_size(cfg)
-        print(f"treeflash: {choice.summary()}", file=sys.stderr)
+        if not quiet and verify_rows(cfg.method, 2) > 1:
+            print(f"treeflash: {choice.summary()}", file=sys.stderr)
         cfg = cfg.replace(tree_size=choice.budget)
     return cfg
 

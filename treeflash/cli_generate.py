@@ -65,7 +65,7 @@ def run(args) -> int:
     engine = load_engine(args, quiet=args.method in ("vanilla", "lookup"))
     # a prompt no window holds fails before --tree-size auto calibrates (a minute on a first run)
     check_request(engine.target.encode(args.prompt, chat=args.chat), args.max_new_tokens, engine.target.max_length)
-    cfg = generation_config(engine, args)
+    cfg = generation_config(engine, args, quiet=args.json)  # --json: stderr stays quiet
     if args.json:
         result = engine.generate(args.prompt, cfg, chat=args.chat)
         out = result.to_dict()

@@ -232,8 +232,8 @@ class TreeParams:
     block_len: int = GenerationConfig.block_len
 
     def __post_init__(self):
-        if self.stage2_vocab == "auto":
-            object.__setattr__(self, "stage2_vocab", auto_stage2_vocab(self.budget))
+        if self.stage2_vocab == "auto":  # never narrower than the children it picks from
+            object.__setattr__(self, "stage2_vocab", max(self.top_k, auto_stage2_vocab(self.budget)))
 
     def check(self, vocab: int) -> "TreeParams":
         """Raise on a bad value; a stage-2 vocabulary wider than `vocab` becomes `vocab`."""

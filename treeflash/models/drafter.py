@@ -1,4 +1,4 @@
-"""DFlash block drafter with the optional TreeFlash AR-approximation: the modules and the draft cache.
+"""DFlash block drafter with the optional TreeFlash AR-approximation: the modules and their passes.
 
 One drafter pass reads a block `[last token, MASK x (B-1)]` and the fused hidden states of a few
 target layers (the *context*), and returns the block's hidden states. Block position i (1..B-1)
@@ -8,7 +8,7 @@ predicts the token i steps after the last token, through the target's own (share
 Context features enter every layer only as extra keys/values: `hidden_norm(fc(concat(taps)))`
 goes through each layer's k_proj/v_proj (+k_norm, RoPE at the context positions). The block
 attends to all context and bidirectionally to itself. Context keys/values are cached across
-steps (`DraftCache`); the block's own keys/values are never stored. One sequence's pass is `draft`
+steps (`kvcache.DraftCache`); the block's own keys/values are never stored. One sequence's pass is `draft`
 (its context grows by `extend`); several sequences' blocks go through one pass (`draft_blocks`),
 their contexts' new rows too (`extend_contexts`): the single-sequence loop and the batched step
 call these two.

@@ -125,7 +125,7 @@ def _prepare_app(args, config, create_app):
 
     check_batchable(engine, config.max_batch)  # before the (slow) --tree-size auto calibration
     config.generation = generation_config(engine, args)  # checked; --tree-size auto resolved
-    if config.max_batch > 1 and args.tree_size == "auto":  # the batch's budgets follow the load
+    if config.max_batch > 1 and args.tree_size == "auto" and config.generation.tree_size > 1:  # budgets follow the load
         from ..config import GenerationConfig
 
         config.auto_budget = engine.auto_tree_size(engine.config(GenerationConfig.from_args(args)))  # memoised
