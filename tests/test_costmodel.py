@@ -102,6 +102,14 @@ def test_commands_calibrate_the_tree_size_by_default(tmp_path, monkeypatch, caps
     assert GenerationConfig().tree_size == 8
 
 
+def test_a_short_window_is_timed_after_the_context_it_holds(tmp_path, monkeypatch):
+    """A target trained for fewer tokens than the usual 256 + 64 still gets a cost table."""
+    monkeypatch.setattr(costmodel, "CACHE_FILE", tmp_path / "costs.json")
+    target = tiny_target("qwen2", max_pos=96).set_backend("static")
+    costs = costmodel.measure(target, sizes=(1, 8, 64), repeats=1)
+    assert set(costs) == {0, 1, 8, 64} and all(t > 0 for t in costs.values())
+
+
 def test_bad_tree_size_is_a_clear_cli_error(capsys):
     from treeflash.cli import main
 

@@ -84,8 +84,10 @@ def time_forward(target, n: int, context: int, repeats: int = 5) -> float:
 
 def measure(target, sizes=SIZES, context: int = 256, repeats: int = 5, use_cache: bool = True) -> dict[int, float]:
     """{tree size: seconds per forward (without reading its logits), 0: seconds to read one row of
-    them}; cached on disk per machine/model/dtype/backend/threads."""
+    them}; cached on disk per machine/model/dtype/backend/threads. A window too short for `context`
+    cached tokens and the largest tree times them after as many as it holds."""
     sizes = tuple(sorted({0, *sizes}))
+    context = max(1, min(context, target.max_length - max(sizes) - 1))
     key = machine_key(target, context)
     saved = _load()
     have = {int(k): v for k, v in saved.get(key, {}).items()}
