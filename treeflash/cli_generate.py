@@ -32,11 +32,11 @@ def summary(cfg, stats) -> str:
             f"{stats.total_s:.2f} s | {stats.tokens_per_second:.1f} tok/s | {stats.steps} steps")
 
 
-def compare(engine, args, cfg, stats, quiet: bool = False) -> dict:
-    """Decode the same prompt plainly in this process and say how the two speeds compare (on
-    stderr unless quiet)."""
+def compare(engine, prompt: list[int], cfg, stats, quiet: bool = False) -> dict:
+    """Decode the same prompt (its token ids) plainly in this process and say how the two speeds
+    compare (on stderr unless quiet)."""
     plain_cfg = cfg.replace(method="vanilla", tree_size=1)
-    result = engine.generate(args.prompt, plain_cfg, chat=args.chat)
+    result = engine.generate(prompt, plain_cfg)
     plain = result.stats
     ratio = stats.tokens_per_second / max(plain.tokens_per_second, 1e-9)
     out = {"plain": plain.to_dict(), "plain_token_ids": result.token_ids, "speedup": round(ratio, 3)}
@@ -63,22 +63,23 @@ def run(args) -> int:
 
     check_prompt(args.prompt)
     engine = load_engine(args, quiet=args.method in ("vanilla", "lookup"))
-    # a prompt no window holds fails before --tree-size auto calibrates (a minute on a first run)
-    check_request(engine.target.encode(args.prompt, chat=args.chat), args.max_new_tokens, engine.target.max_length)
+    # encoded once; a prompt no window holds fails before --tree-size auto calibrates (a minute on a first run)
+    prompt = engine.target.encode(args.prompt, chat=args.chat)
+    check_request(prompt, args.max_new_tokens, engine.target.max_length)
     cfg = generation_config(engine, args, quiet=args.json)  # --json: stderr stays quiet
     if args.json:
-        result = engine.generate(args.prompt, cfg, chat=args.chat)
+        result = engine.generate(prompt, cfg)
         out = result.to_dict()
         if args.compare:
-            out["compare"] = compare(engine, args, cfg, result.stats, quiet=True)
+            out["compare"] = compare(engine, prompt, cfg, result.stats, quiet=True)
         print_json(out)
         return 0
     stats = Stats()
-    for piece in engine.stream(args.prompt, cfg, chat=args.chat, stats=stats):
+    for piece in engine.stream(prompt, cfg, stats=stats):
         sys.stdout.write(piece)
         sys.stdout.flush()
     print()
     print(summary(cfg, stats), file=sys.stderr)
     if args.compare:
-        compare(engine, args, cfg, stats)
+        compare(engine, prompt, cfg, stats)
     return 0
