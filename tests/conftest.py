@@ -42,10 +42,10 @@ class _Oracle:
     hit_rate = 0.8
     bonus = 4.0
 
-    def propose(self, root_token, start, max_depth, history=None, states=None):
+    def propose(self, root_token, start, max_depth, history=None, states=None, branches=None):
         self._start = start
         self._rng = random.Random(start * 7919 + len(self.reference))
-        return super().propose(root_token, start, max_depth, history, states)
+        return super().propose(root_token, start, max_depth, history, states, branches)
 
     def _ref(self, depth: int) -> int | None:
         i = self._start + depth

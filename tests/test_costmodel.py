@@ -78,7 +78,8 @@ def test_engine_auto_tree_size_measures_caches_and_resolves(tmp_path, monkeypatc
 
 def test_commands_calibrate_the_tree_size_by_default(tmp_path, monkeypatch, capsys):
     """`generate` without --tree-size resolves auto to a measured budget (said on stderr), and the
-    generation at that budget is plain decoding's tokens; the library's default stays a fixed 8."""
+    generation at that budget is plain decoding's tokens; a lookup method (the default) keeps "auto"
+    for its per-step budgets, with the same tokens; the library's default stays a fixed 8."""
     from treeflash.api import generation_config
     from treeflash.cli import build_parser
     from treeflash.config import GenerationConfig
@@ -90,13 +91,18 @@ def test_commands_calibrate_the_tree_size_by_default(tmp_path, monkeypatch, caps
     engine = Engine(target, tiny_drafter(target))
     real = Engine.auto_tree_size  # a short calibration for the tiny model
     monkeypatch.setattr(Engine, "auto_tree_size", lambda self, cfg: real(self, cfg, max_budget=12, tokens=8))
-    args = build_parser(["generate"]).parse_args(["generate", "hi", "--top-m", "3", "--top-k", "3", "--max-new-tokens", "6",
-                                                  "--ignore-eos"])
+    args = build_parser(["generate"]).parse_args(["generate", "hi", "--method", "treeflash", "--top-m", "3", "--top-k",
+                                                  "3", "--max-new-tokens", "6", "--ignore-eos"])
     cfg = generation_config(engine, args)
     assert isinstance(cfg.tree_size, int) and 1 <= cfg.tree_size <= 12
     assert "tree size auto -> " in capsys.readouterr().err
     assert list(engine.tokens(PROMPT, cfg)) == vanilla(target, PROMPT, 6)
     assert generation_config(engine, args, quiet=True) == cfg and not capsys.readouterr().err  # --json
+    default = build_parser(["generate"]).parse_args(["generate", "hi", "--top-m", "3", "--top-k", "3",
+                                                     "--max-new-tokens", "6", "--ignore-eos"])
+    cfg = generation_config(engine, default)
+    assert cfg.method.endswith("+lookup") and cfg.tree_size == "auto" and "lookup-only" in capsys.readouterr().err
+    assert list(engine.tokens(PROMPT, cfg)) == vanilla(target, PROMPT, 6)
     plain = build_parser(["generate"]).parse_args(["generate", "hi", "--method", "vanilla"])
     assert generation_config(engine, plain).tree_size == 1 and not capsys.readouterr().err  # nothing to choose
     assert GenerationConfig().tree_size == 8
@@ -140,19 +146,20 @@ def test_auto_tree_size_is_calibrated_once_per_machine(tmp_path, monkeypatch):
 
 def test_auto_decodes_plainly_where_speculation_cannot_pay(tmp_path, monkeypatch):
     """When the cost model finds no tree that beats plain decoding, auto says so and the generation
-    runs plain steps (no drafter pass, root-only trees), still token-identical."""
+    runs plain steps (no drafter pass, root-only trees), still token-identical (a method without
+    lookup: a lookup method's steps may still verify lookup-only trees, test_step_budget.py)."""
     monkeypatch.setattr(costmodel, "CACHE_FILE", tmp_path / "costs.json")
     monkeypatch.setattr(costmodel, "best_budget", lambda *a, **kw: (1, 10.0))
     target = tiny_target("qwen2").set_backend("static")
     target.tokenizer.chat_template = None
     monkeypatch.setattr(type(target), "encode", lambda self, prompt, chat=True: PROMPT)
     engine = Engine(target, tiny_drafter(target))
-    choice = engine.auto_tree_size(method="treeflash+lookup", top_m=3, top_k=3, max_budget=12, tokens=8)
+    choice = engine.auto_tree_size(method="treeflash", top_m=3, top_k=3, max_budget=12, tokens=8)
     assert choice.budget == 1 and "decoding plainly" in choice.summary()
     drafted = []
     monkeypatch.setattr(type(engine.drafter), "draft", lambda *a, **kw: drafted.append(1))
     stats = Stats()
-    out = list(engine.tokens(PROMPT, method="treeflash+lookup", max_new_tokens=6, tree_size="auto", top_m=3,
+    out = list(engine.tokens(PROMPT, method="treeflash", max_new_tokens=6, tree_size="auto", top_m=3,
                              top_k=3, ignore_eos=True, stats=stats))
     assert out == vanilla(target, PROMPT, 6) and not drafted and set(stats.tree_sizes) == {1}
 

@@ -69,12 +69,20 @@ PARAMS = SamplingParams(temperature=1.0, top_p=0.95, top_k=4)
 N_SAMPLES = 1500
 
 
-@pytest.mark.parametrize("method", ["vanilla", "chain", "marginal", "treeflash", "lookup", "treeflash+lookup"])
+@pytest.mark.parametrize("method", ["vanilla", "chain", "marginal", "treeflash", "lookup", "treeflash+lookup",
+                                    "lookup@auto"])
 def test_sampled_tokens_follow_the_target(small, method):
     target, drafter = small
     joint = exact_joint(target, PARAMS)
     ref = vanilla(target, PROMPT, 5)
-    if method in ("vanilla", "lookup"):  # no drafter
+    if method == "lookup@auto":  # per-step budgets: a lookup-only tree wherever the text repeats (verifying is free)
+        def make():
+            from treeflash.decoding.proposers import TreeParams, make_proposer
+            from treeflash.decoding.step_budget import StepBudget
+            p = make_proposer("lookup", None, target.embed, target.lm_head, TreeParams(1))
+            p.planner = StepBudget({0: 0.0, 1: 1.0, 64: 1.0}, [], lambda b: 0.0)
+            return p
+    elif method in ("vanilla", "lookup"):  # no drafter
         def make():
             from treeflash.decoding.proposers import TreeParams, make_proposer
             return make_proposer(method, None, target.embed, target.lm_head, TreeParams(6))

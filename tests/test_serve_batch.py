@@ -746,3 +746,57 @@ def test_fuzzing_beside_streams_leaves_them_unharmed(batch_server, reference):
     assert streams and all(s == (solo, s[1]) and s[1] in ("stop", "length") for s in streams), streams[:3]
     wait_until(lambda: health(server)["running"] == 0 and health(server)["waiting"] == 0, "idle")
     assert server.worker.decoder.cache.reserved_slots == 0
+
+
+def test_lookup_only_steps_in_a_served_batch(model_dirs, reference, monkeypatch):
+    """--tree-size auto with a lookup method whose calibrated budget is 1: the worker keeps "auto",
+    reserves a lookup-only tree's rows per request, and its requests' steps verify such trees where
+    the text repeats; each greedy answer is still what plain decoding answers alone."""
+    import asyncio
+
+    from treeflash.api import AutoChoice, Engine
+    from treeflash.config import GenerationConfig
+    from treeflash.decoding.sequence import Sequence
+    from treeflash.decoding.step_budget import LOOKUP_MAX
+    from treeflash.models.drafter import load_drafter
+    from treeflash.models.target import Target
+    from treeflash.serve.jobs import Job, ServeConfig
+    from treeflash.serve.metrics import Metrics
+    from treeflash.serve.worker import Worker
+
+    target_dir, drafter_dir = model_dirs
+    engine = Engine(Target.load(str(target_dir)), load_drafter(drafter_dir), backend="static")
+    flat = {0: 0.0, 1: 1.0, 64: 1.0}  # verifying is free: every copy that may be accepted pays
+    choice = AutoChoice("treeflash+lookup", 1, 1.0, 1.0, 0.0, flat, [0.1], (0.1, 0.1, 7))
+    monkeypatch.setattr(Engine, "auto_tree_size", lambda self, cfg=None, **kw: choice)
+    gen = GenerationConfig(method="treeflash+lookup", tree_size="auto", top_m=2, top_k=2, max_new_tokens=16)
+    worker = Worker(engine, ServeConfig(model_name="tiny", generation=gen, max_tokens_limit=LIMIT, max_batch=2),
+                    Metrics("tiny"))
+    assert worker.budget == 1 and worker.rows == LOOKUP_MAX
+    budgets = []
+    plan = Sequence.plan
+    monkeypatch.setattr(Sequence, "plan", lambda self: plan(self) or budgets.append(self.proposer.params.budget))
+    prompts = ["one two three one two three one two three one two", "red blue red blue red blue red"]
+
+    async def run():
+        jobs = [Job(prompt=user(p), chat=True, param="messages", config=gen, loop=asyncio.get_running_loop())
+                for p in prompts]
+        for j in jobs:
+            worker.submit(j)
+        out = []
+        for j in jobs:
+            parts = []
+            while (event := await asyncio.wait_for(j.events.get(), 120))[0] == "text":
+                parts.append(event[1])
+            assert event[0] == "done", event
+            out.append(("".join(parts), event[1]))
+        return out
+
+    worker.start()
+    try:
+        got = asyncio.run(run())
+    finally:
+        worker.stop()
+    for p, (text, done) in zip(prompts, got):
+        assert text == reference.generate(user(p), method="vanilla", max_new_tokens=16, temperature=0.0).text
+    assert max(budgets) > 1 and 1 in budgets  # lookup-only trees where the text repeated, plain steps elsewhere

@@ -11,7 +11,7 @@ import torch
 from .decoding.generate import decode
 from .decoding.stats import Stats
 from .config import GenerationConfig, compiles_drafter, uses_cpp_gemm
-from .decoding.proposers import check_drafter, make_proposer, verify_rows
+from .decoding.proposers import check_drafter, make_proposer, plain_only
 from .decoding.text import TextAssembler, pieces
 from .errors import TreeflashError
 from .models import aot, registry
@@ -60,14 +60,24 @@ class AutoChoice:
 
         return costmodel.draft_cost(*self.draft_costs) if self.draft_costs else (lambda _b: self.draft_s)
 
+    def step_budget(self):
+        """Per-step budgets from the text's repeats (`decoding.step_budget`) for a lookup method; None
+        for the others (every step runs at `budget`)."""
+        from .decoding.step_budget import LOOKUP_MAX, StepBudget
+
+        if "lookup" not in self.method:
+            return None
+        return StepBudget(self.verify_costs, list(self.node_accept), self.draft_fn(), max(LOOKUP_MAX, self.budget))
+
     def summary(self) -> str:
-        if self.budget == 1 and verify_rows(self.method, 2) > 1:  # a proposer that could have drafted
+        lookup = "; lookup-only trees where the text repeats" if "lookup" in self.method else ""
+        if self.budget == 1 and not plain_only(self.method):  # a proposer that could have drafted
             return (f"tree size auto -> 1: speculation does not pay on this machine for {self.method} (1-node "
                     f"forward {self.verify_costs.get(1, 0) * 1e3:.1f} ms, draft {self.draft_s * 1e3:.1f} ms/step); "
-                    "decoding plainly")
+                    f"decoding plainly{lookup}")
         return (f"tree size auto -> {self.budget} for {self.method} (expected tau {self.expected_tau:.2f}, "
                 f"{self.expected_tokens_per_s:.1f} tok/s; 1-node forward {self.verify_costs.get(1, 0) * 1e3:.1f} ms "
-                f"+ LM head {self.verify_costs.get(0, 0) * 1e3:.1f} ms/row, draft {self.draft_s * 1e3:.1f} ms/step)")
+                f"+ LM head {self.verify_costs.get(0, 0) * 1e3:.1f} ms/row, draft {self.draft_s * 1e3:.1f} ms/step{lookup})")
 
 
 class Engine:
@@ -106,9 +116,10 @@ class Engine:
         loops start from, and the loops that run outside it (the batched server, `bench profile`)."""
         self.bind()
         vocab = self.target.vocab_rows
-        budget = self.auto_tree_size(cfg).budget if cfg.tree_size == "auto" else cfg.tree_size
+        choice = self.auto_tree_size(cfg) if cfg.tree_size == "auto" else None
         proposer = make_proposer(cfg.method, self.drafter, self.target.embed, self.target.drafting_head,
-                                 cfg.tree(vocab, budget))
+                                 cfg.tree(vocab, choice.budget if choice is not None else cfg.tree_size))
+        proposer.planner = choice.step_budget() if choice is not None else None
         if proposer.drafts:  # the drafter's block passes and heads, compiled where the backend says (not for plain decoding)
             backend = self.target.backend
             on = compiles_drafter(backend, aot.enabled() and self.target.device.type == "cpu")
@@ -116,7 +127,7 @@ class Engine:
             proposer.compile_heads(on, cpp_gemm=uses_cpp_gemm(backend))
         # compile now what this generation will run: a tree of any size up to its rows at the budget (the root
         # alone at the end; lookup trees are as large as the text's repeats)
-        self.target.warm(range(1, proposer.rows(proposer.params.budget) + 1))
+        self.target.warm(range(1, proposer.max_rows() + 1))
         return self.target.encode(prompt, chat=chat), cfg.sampling(vocab), proposer
 
     def tokens(self, prompt, config: GenerationConfig | None = None, *, chat: bool = True,
@@ -148,7 +159,7 @@ class Engine:
             return self.auto[key]
         method = cfg.method
         disk_key = "|".join([costmodel.machine_key(self.target, 256), self._drafter_id(), repr(key[:-2]), str(max_budget)])
-        plain = verify_rows(method, max_budget) < 2  # its trees are the root alone at any budget (vanilla)
+        plain = plain_only(method)
         if not plain:
             check_drafter(method, self.drafter)  # before a calibration or a saved choice says anything
         saved = costmodel.saved_choice(disk_key) if not plain else None
@@ -236,22 +247,24 @@ class Engine:
             return [self.generate(x, cfg, chat=chat) for x in prompts]
         dec = BatchDecoder(self.target, self.drafter)
         prepared = [self.prepare(x, cfg, chat) for x in prompts]
-        dec.warm(sum(p.rows(p.params.budget) for _, _, p in prepared))
+        dec.warm(sum(p.max_rows() for _, _, p in prepared))
         texts = [self.assembler(cfg) for _ in prepared]
         seqs = [dec.add(ids, cfg, proposer=p, text=t) for (ids, _, p), t in zip(prepared, texts)]
         return [Result(t.final_text(), ids, st) for t, (ids, st) in zip(texts, dec.run(seqs))]
 
 
 def generation_config(engine: Engine, args, quiet: bool = False) -> GenerationConfig:
-    """The parsed options' GenerationConfig, checked, with --tree-size auto replaced by the measured
-    choice (said on stderr unless quiet, or the method never drafts). Every command that decodes
-    (generate, serve, chat, profile) builds it here."""
+    """The parsed options' GenerationConfig, checked, with --tree-size auto measured (the choice said
+    on stderr unless quiet, or the method never drafts) and replaced by its budget; a lookup method
+    keeps "auto": its steps choose their budgets from that choice and the text's repeats
+    (`decoding/step_budget.py`). Every command that decodes (generate, serve, chat, profile) builds it here."""
     cfg = engine.config(GenerationConfig.from_args(args))
     if cfg.tree_size == "auto":
         choice = engine.auto_tree_size(cfg)
-        if not quiet and verify_rows(cfg.method, 2) > 1:
+        if not quiet and not plain_only(cfg.method):
             print(f"treeflash: {choice.summary()}", file=sys.stderr)
-        cfg = cfg.replace(tree_size=choice.budget)
+        if choice.step_budget() is None:
+            cfg = cfg.replace(tree_size=choice.budget)
     return cfg
 
 

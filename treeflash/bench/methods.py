@@ -31,7 +31,7 @@ PROMPT_LOOKUP_TOKENS = 10  # HF's documented default suggestion for prompt looku
 class EngineMethod(Method):
     """One of our decoding methods through `Engine.generate` (token ids in, no re-templating)."""
 
-    def __init__(self, engine, name: str, tree_size: int | None):
+    def __init__(self, engine, name: str, tree_size: int | str | None):
         self.engine, self.name, self.tree_size = engine, name, tree_size
 
     def generate(self, prompt_ids, p):
@@ -172,14 +172,15 @@ def load_assistant(name_or_path: str, target):
     return asst.model
 
 
-def resolve_sizes(engine, name: str, tree_sizes: list, p: GenerationConfig | None, notes: list[str]) -> list[int]:
-    """The budgets of one tree method; "auto" becomes the engine's measured choice (noted)."""
-    out: list[int] = []
+def resolve_sizes(engine, name: str, tree_sizes: list, p: GenerationConfig | None, notes: list[str]) -> list:
+    """The budgets of one tree method; "auto" becomes the engine's measured choice (noted), and stays
+    "auto" for a lookup method, whose steps choose their own budgets from it (`decoding/step_budget.py`)."""
+    out: list = []
     for b in tree_sizes:
         if b == "auto":
             choice = engine.auto_tree_size(p, method=name)
             notes.append(choice.summary())
-            b = choice.budget
+            b = "auto" if choice.step_budget() is not None else choice.budget
         if b not in out:
             out.append(b)
     return out

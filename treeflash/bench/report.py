@@ -262,7 +262,8 @@ def _bars(plt, out: Path, rows: list[dict], title: str) -> str:
 
 
 def _sweep(plt, out: Path, rows: list[dict]) -> str:
-    tree = [r for r in rows if r["tree_size"] is not None and r["speedup_vs_vanilla"] is not None]
+    # fixed budgets only: a lookup method's "auto" arm chooses its budget per step (its row is in the tables)
+    tree = [r for r in rows if isinstance(r["tree_size"], int) and r["speedup_vs_vanilla"] is not None]
     if not tree:
         return ""
     datasets = list(dict.fromkeys(r["dataset"] for r in tree))

@@ -35,6 +35,7 @@ class Proposer:
     Timings are kept per phase: "draft" (drafter pass and heads), "tree" (lookup and building)."""
 
     name = "base"
+    planner = None  # a `step_budget.StepBudget` choosing each step's budget (--tree-size auto, lookup methods)
 
     def __init__(self, drafter: Drafter | None, embed, lm_head, params: TreeParams,
                  lookup: LookupParams | None = None, scores: LookupScores | None = None):
@@ -51,6 +52,10 @@ class Proposer:
         cache past its tokens, and what the warm-up compiles."""
         return max(1, budget)
 
+    def max_rows(self) -> int:
+        """The most tree rows one step verifies: at its budget, or at the largest its planner may choose."""
+        return self.rows(max(self.params.budget, self.planner.max_budget if self.planner is not None else 1))
+
     @property
     def drafts(self) -> bool:
         """Whether a sequence keeps a drafter context: a drafter, and a budget of 2 or more (a
@@ -58,11 +63,12 @@ class Proposer:
         return self.drafter is not None and self.params.budget >= 2
 
     def propose(self, root_token: int, start: int, max_depth: int, history: list[int] | None = None,
-                states: torch.Tensor | None = None) -> Tree:
+                states: torch.Tensor | None = None, branches: Branches | None = None) -> Tree:
         """Tree rooted at `root_token` (position `start`), at most `max_depth` deep; `history`: the
         committed tokens, prompt first, ending with the root (read by lookup methods); `states`: the
         drafter's pre-norm states [d+1, H] of this step's block [root, MASK x d], d =
-        `block_depth(max_depth)` (None: no drafter pass this step)."""
+        `block_depth(max_depth)` (None: no drafter pass this step); `branches`: this step's lookup
+        branches where the caller found them already (else found here for lookup methods)."""
         if self.params.budget < 2:
             return root_only(root_token)
         t0 = time.perf_counter()
@@ -71,7 +77,8 @@ class Proposer:
             # a tree of `budget` nodes is at most budget-1 deep: the heads need no deeper positions
             tables = self.heads(states[: min(len(states) - 1, self.params.budget - 1) + 1], root_token)
         t1 = time.perf_counter()
-        branches = self.lookup_branches(history, max_depth) if self.index is not None else None
+        if branches is None and self.index is not None:
+            branches = self.lookup_branches(history, max_depth)
         tree = self.build(root_token, tables, branches)
         self.timings["draft"] += t1 - t0
         self.timings["tree"] += time.perf_counter() - t1
@@ -216,6 +223,11 @@ def verify_rows(method: str, budget: int) -> int:
     """The most tree rows a step of `method` verifies at `budget` (`Proposer.rows`), before any
     proposer is built (a server sizing its pool and warm-up)."""
     return PROPOSERS[method.partition("+")[0]].rows(budget)
+
+
+def plain_only(method: str) -> bool:
+    """Whether `method`'s trees are the root alone at every budget (`vanilla`): it has no tree size to choose."""
+    return verify_rows(method, 2) < 2
 
 
 def check_drafter(method: str, drafter) -> None:

@@ -5,7 +5,8 @@ The rules: what a request may ask (`check_request`), the KV reservation (the tok
 the proposer's rows of one tree), the prompt's rows and chunks (`prefill_chunks`: how a batch
 shares a step's prefill), what a prefilled chunk does (the drafter's context grows; the last one
 samples the first token), the drafter's context (kept where the proposer drafts) and its block, how
-deep a step's tree may go and where its rows sit, emitting tokens (a stop id, a stop string,
+deep a step's tree may go and where its rows sit, each step's budget (`plan`: the set budget, or
+`step_budget.StepBudget`'s choice where the proposer has one), emitting tokens (a stop id, a stop string,
 max_new_tokens and the context window end it) and the stats, closed once when the sequence ends
 (stop, length, a cancel, an error).
 """
@@ -22,9 +23,11 @@ from ..errors import TreeflashError
 from ..models.drafter import Drafter
 from ..models.kvcache import DraftCache
 from ..models.target import Target
+from .lookup import Branches
 from .proposers import Proposer
 from .sampling import Acceptance, SamplingParams, choose
 from .stats import Stats
+from .step_budget import LookupRecord, lookup_probs
 from .trees import Tree
 
 
@@ -71,7 +74,12 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)   # emitted tokens
     start: int = 0                           # position of the root = tokens in the target's cache
     filled: int = 0                          # prompt tokens prefilled so far
-    max_budget: int = 1                      # the budget its reservation allows
+    budget: int = 1                          # the tree budget set (`set_budget`); a step may choose another (`plan`)
+    max_budget: int = 1                      # the largest budget its reservation allows
+    skip_draft: bool = False                 # this step runs no drafter pass (`plan`: a lookup-only tree)
+    branches: Branches | None = None         # this step's lookup branches where `plan` found them
+    lookup: LookupRecord = field(default_factory=LookupRecord)  # its lookup-only steps: expected, accepted
+    expected: float | None = None            # this step's expected accepted lookup tokens (a lookup-only step)
     reserved: int = 0                        # worst-case target cache slots (its reservation)
     t_start: float = 0.0
     done: bool = False
@@ -85,9 +93,10 @@ class Sequence:
         check_request(prompt, max_new_tokens, limit)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         s = cls(list(prompt), proposer, sampling, max_new_tokens, set(stop_ids), limit, gen, text, id, stats)
-        s.max_budget = proposer.params.budget
+        s.budget = proposer.params.budget
+        s.max_budget = max(s.budget, proposer.planner.max_budget) if proposer.planner is not None else s.budget
         # every token wanted (within the window), then one tree's rows written past them before compaction
-        s.reserved = min(limit, len(prompt) + max_new_tokens) + proposer.rows(s.max_budget)
+        s.reserved = min(limit, len(prompt) + max_new_tokens) + proposer.max_rows()
         if proposer.drafts:
             s.dcache = DraftCache(len(proposer.drafter.model.layers))
         proposer.timings = {"draft": 0.0, "tree": 0.0}
@@ -109,10 +118,30 @@ class Sequence:
         """The tree budget from the next step on (the proposer reads `params.budget` each step),
         within 1..the budget it was added with (its reservation and drafter context assume at most
         that); returns the budget set. Any budget is lossless."""
-        budget = max(1, min(int(budget), self.max_budget))
+        self.budget = max(1, min(int(budget), self.max_budget))
+        self._use(self.budget)
+        return self.budget
+
+    def _use(self, budget: int) -> None:
         if self.proposer.params.budget != budget:
             self.proposer.params = replace(self.proposer.params, budget=budget)
-        return budget
+
+    def plan(self) -> None:
+        """This step's budget and whether its drafter runs: the set budget, drafting where the
+        sequence keeps a drafter context; where the proposer has a `StepBudget` (lookup methods under
+        --tree-size auto), its choice from this step's lookup branches (found here, once)."""
+        planner = self.proposer.planner
+        self.skip_draft = False
+        if planner is None:
+            return
+        t0 = time.perf_counter()
+        self.branches = self.proposer.lookup_branches(self.history, self.max_depth())
+        probs = lookup_probs(self.branches, self.proposer.scores)
+        budget, drafting = planner.choose(self.budget, self.dcache is not None, probs, self.lookup.trust)
+        self.skip_draft = not drafting
+        self.expected = sum(probs[:budget - 1]) if budget > 1 and not drafting else None
+        self._use(budget)
+        self.proposer.timings["tree"] += time.perf_counter() - t0
 
     @property
     def drafter(self) -> Drafter | None:
@@ -143,7 +172,7 @@ class Sequence:
 
     def block_depth(self) -> int:
         """Masks of this step's drafter block (0: no drafter pass)."""
-        return self.proposer.block_depth(self.max_depth()) if self.dcache is not None else 0
+        return self.proposer.block_depth(self.max_depth()) if self.dcache is not None and not self.skip_draft else 0
 
     def draft_block(self, depth: int) -> tuple[DraftCache, torch.Tensor, int]:
         """This step's drafter block [root, MASK x depth] for `Drafter.draft_blocks`: (context, the
@@ -153,7 +182,8 @@ class Sequence:
 
     def propose(self, states: torch.Tensor | None) -> Tree:
         """This step's tree; states [d+1, H]: the drafter's pass over its block (None: none)."""
-        return self.proposer.propose(self.history[-1], self.start, self.max_depth(), self.history, states)
+        branches, self.branches = self.branches, None
+        return self.proposer.propose(self.history[-1], self.start, self.max_depth(), self.history, states, branches)
 
     def tree_rows(self, tree: Tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A tree's rows in the target's forward: ids [N], positions [N] (start + depth), ancestor mask [N, N]."""
@@ -175,6 +205,8 @@ class Sequence:
         self.stats.draft_s += draft_s
         self.stats.verify_s += verify_s
         self.stats.record(len(acc.accepted), len(tree), acc.path)
+        if self.expected is not None:  # a lookup-only step: how far its scores held
+            self.lookup.add(self.expected, len(acc.accepted))
         self.start += len(acc.path)
         return self.emit(acc.accepted + [acc.bonus])
 

@@ -124,11 +124,10 @@ def _prepare_app(args, config, create_app):
     from .worker import check_batchable
 
     check_batchable(engine, config.max_batch)  # before the (slow) --tree-size auto calibration
-    config.generation = generation_config(engine, args)  # checked; --tree-size auto resolved
-    if config.max_batch > 1 and args.tree_size == "auto" and config.generation.tree_size > 1:  # budgets follow the load
-        from ..config import GenerationConfig
-
-        config.auto_budget = engine.auto_tree_size(engine.config(GenerationConfig.from_args(args)))  # memoised
+    config.generation = generation_config(engine, args)  # checked; --tree-size auto measured
+    if config.max_batch > 1 and args.tree_size == "auto":  # budgets follow the load where trees pay
+        choice = engine.auto_tree_size(config.generation)  # memoised
+        config.auto_budget = choice if choice.budget > 1 else None
     _warm_up(engine, config)
     return create_app(engine, config)
 

@@ -99,8 +99,12 @@ class Worker:
         self.engine, self.config, self.metrics = engine, config, metrics
         self.queue: queue.Queue[Job | None] = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name="treeflash-worker", daemon=True)
-        self.budget = config.generation.tree_size if isinstance(config.generation.tree_size, int) else 1
-        self.rows = verify_rows(config.generation.method, self.budget)  # a tree's rows (plain decoding: the root)
+        gen = config.generation
+        choice = engine.auto_tree_size(gen) if gen.tree_size == "auto" else None  # a lookup method's (memoised)
+        self.budget = choice.budget if choice is not None else gen.tree_size
+        planner = choice.step_budget() if choice is not None else None  # lookup-only steps up to its largest tree
+        # a tree's rows (plain decoding: the root)
+        self.rows = verify_rows(gen.method, max(self.budget, planner.max_budget if planner is not None else 1))
         self.decoder = self._new_decoder()
         self.decoder.warm(config.max_batch * self.rows)  # compiled backends: every batch's tree forward now
         self.active: dict[int, Active] = {}
