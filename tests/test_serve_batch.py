@@ -757,7 +757,7 @@ def test_lookup_only_steps_in_a_served_batch(model_dirs, reference, monkeypatch)
     from treeflash.api import AutoChoice, Engine
     from treeflash.config import GenerationConfig
     from treeflash.decoding.sequence import Sequence
-    from treeflash.decoding.step_budget import LOOKUP_MAX
+    from treeflash.decoding.step_budget import LOOKUP_MAX, StepRecord
     from treeflash.models.drafter import load_drafter
     from treeflash.models.target import Target
     from treeflash.serve.jobs import Job, ServeConfig
@@ -769,6 +769,7 @@ def test_lookup_only_steps_in_a_served_batch(model_dirs, reference, monkeypatch)
     flat = {0: 0.0, 1: 1.0, 64: 1.0}  # verifying is free: every copy that may be accepted pays
     choice = AutoChoice("treeflash+lookup", 1, 1.0, 1.0, 0.0, flat, [0.1], (0.1, 0.1, 7))
     monkeypatch.setattr(Engine, "auto_tree_size", lambda self, cfg=None, **kw: choice)
+    monkeypatch.setattr(StepRecord, "ratios", lambda self, estimate: {})  # the costs above decide, not this machine's
     gen = GenerationConfig(method="treeflash+lookup", tree_size="auto", top_m=2, top_k=2, max_new_tokens=16)
     worker = Worker(engine, ServeConfig(model_name="tiny", generation=gen, max_tokens_limit=LIMIT, max_batch=2),
                     Metrics("tiny"))

@@ -8,7 +8,7 @@ from treeflash.api import AutoChoice, Engine
 from treeflash.decoding.lookup import (DEPTH_BUCKETS, MATCH_BUCKETS, SHARE_BUCKETS, Branches, LookupScores,
                                        TrieNode)
 from treeflash.decoding.stats import Stats
-from treeflash.decoding.step_budget import StepBudget, lookup_probs
+from treeflash.decoding.step_budget import SEEN, StepBudget, StepRecord, lookup_probs, ratio
 
 from conftest import tiny_drafter, tiny_target, vanilla
 
@@ -37,7 +37,8 @@ def test_a_step_takes_the_faster_of_the_calibrated_tree_and_a_lookup_only_tree()
     assert plain.choose(1, False, [0.9, 0.8]) == (3, False)
     steep = StepBudget({1: 1.0, 2: 1.95, 64: 64.0}, [], lambda b: 0.0)  # a node costs nearly a forward
     assert steep.choose(1, False, [0.9]) == (1, False)
-    assert steep.choose(1, False, [0.99]) == (2, False)  # 1.99 tokens for 1.95
+    assert steep.choose(1, False, [0.99]) == (1, False)  # 1.99 tokens for 1.95: within the margin
+    assert StepBudget({1: 1.0, 2: 1.5, 64: 64.0}, [], lambda b: 0.0).choose(1, False, [0.9]) == (2, False)  # 1.27x
     mid = {1: 1.0, 4: 1.2, 8: 2.0, 64: 10.0}
     drafter = StepBudget(mid, [0.9, 0.6, 0.4], lambda b: 0.05)
     assert drafter.choose(4, True, [0.1]) == (4, True)       # the calibrated step, drafter and all
@@ -47,11 +48,35 @@ def test_a_step_takes_the_faster_of_the_calibrated_tree_and_a_lookup_only_tree()
     assert StepBudget(flat, [], lambda b: 0.0, max_budget=4).choose(1, False, [0.9] * 10) == (4, False)
 
 
+def test_a_sequences_record_corrects_the_scores_and_the_costs():
+    """Copies that did not hold lower the trust in the scores; the step times seen scale the measured
+    costs, per size where seen, linearly between, flat beyond."""
+    costs = StepBudget({1: 1.0, 2: 1.2, 4: 1.6, 64: 12.0}, [], lambda b: 0.0)
+    record = StepRecord()
+    assert record.trust == 1.0 and ratio(record.ratios(costs.estimate), 4) == 1.0
+    record.add(8, 1.0, tokens=1, expected=10.0)  # a long copy that missed
+    assert record.trust == pytest.approx(4 / 14)
+    assert costs.choose(1, False, [0.6], record) == (1, False)          # 1.17 tokens for 1.2 plain steps' cost
+    assert costs.choose(1, False, [0.6], StepRecord()) == (2, False)    # 1.6, trusted
+    slow = StepRecord()
+    for _ in range(SEEN):
+        slow.add(1, 0.5, tokens=1)
+        slow.add(4, 4.0, tokens=2)   # a 4-node step ran at 8 plain steps here
+    ratios = slow.ratios(costs.estimate)
+    assert ratios == {1: pytest.approx(0.5), 4: pytest.approx(2.5)}
+    assert ratio(ratios, 2) == pytest.approx(0.5 + 2 / 3) and ratio(ratios, 9) == pytest.approx(2.5)
+    assert costs.seconds(2, 1.9, ratios) == pytest.approx(1.2 * (0.5 + 2 / 3))
+    assert costs.choose(1, False, [0.9, 0.9, 0.9], StepRecord()) == (4, False)  # measured costs alone: 3.7 for 1.6
+    assert costs.choose(1, False, [0.9, 0.9, 0.9], slow) == (1, False)          # as this sequence ran: plain pays
+
+
 def engine_with(choice: AutoChoice, monkeypatch):
-    """The tiny qwen2 target on static with a drafter; `tree_size="auto"` resolves to `choice`."""
+    """The tiny qwen2 target on static with a drafter; `tree_size="auto"` resolves to `choice`, whose
+    costs alone decide (the sequences' own step times, machine-dependent, are not read)."""
     target = tiny_target("qwen2", logit_scale=3.0).set_backend("static")
     engine = Engine(target, tiny_drafter(target))
     monkeypatch.setattr(Engine, "auto_tree_size", lambda self, cfg=None, **kw: choice)
+    monkeypatch.setattr(StepRecord, "ratios", lambda self, estimate: {})
     return engine
 
 

@@ -89,8 +89,8 @@ class BatchDecoder:
 
     def _decode(self, seqs: list[Sequence], out: dict) -> None:
         """One step of the decoding sequences: draft -> propose -> verify -> accept -> commit."""
-        t0 = time.perf_counter()
         seqs = list(self._each(seqs, Sequence.plan))  # each one's budget, and whether its drafter runs
+        t0 = time.perf_counter()
         states = self._shared(seqs, self._draft)
         t_draft = time.perf_counter() - t0
         trees = self._each(states, lambda s: s.propose(states[s]))

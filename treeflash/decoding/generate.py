@@ -45,8 +45,8 @@ def decode_step(target: Target, seq: Sequence, cache) -> Iterator[int]:
     """One step of a prefilled sequence: draft -> build tree -> verify -> accept -> commit; returns
     its tokens, emitted as they are taken (`Sequence.advance`)."""
     dev = target.device
-    t0 = time.perf_counter()
     seq.plan()  # this step's budget, and whether the drafter runs
+    t0 = time.perf_counter()
     depth = seq.block_depth()  # the drafter's pass over this step's block, if any
     states = seq.drafter.draft_blocks([seq.draft_block(depth)])[0] if depth else None
     t_draft = time.perf_counter() - t0

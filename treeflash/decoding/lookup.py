@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+from bisect import bisect_left
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,8 @@ DEPTH_BUCKETS = (1, 2, 4, 8)         # 1-based depth of the edge's token in the 
 
 
 def bucket(value: float, bounds: tuple) -> int:
-    return next((i for i, b in enumerate(bounds) if value <= b), len(bounds))
+    """The index of the first bound >= value (len(bounds) beyond the last)."""
+    return bisect_left(bounds, value)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from .lookup import Branches
 from .proposers import Proposer
 from .sampling import Acceptance, SamplingParams, choose
 from .stats import Stats
-from .step_budget import LookupRecord, lookup_probs
+from .step_budget import StepRecord, lookup_probs
 from .trees import Tree
 
 
@@ -78,7 +78,7 @@ class Sequence:
     max_budget: int = 1                      # the largest budget its reservation allows
     skip_draft: bool = False                 # this step runs no drafter pass (`plan`: a lookup-only tree)
     branches: Branches | None = None         # this step's lookup branches where `plan` found them
-    lookup: LookupRecord = field(default_factory=LookupRecord)  # its lookup-only steps: expected, accepted
+    record: StepRecord = field(default_factory=StepRecord)  # its steps: lookup tokens expected, accepted; times
     expected: float | None = None            # this step's expected accepted lookup tokens (a lookup-only step)
     reserved: int = 0                        # worst-case target cache slots (its reservation)
     t_start: float = 0.0
@@ -137,7 +137,7 @@ class Sequence:
         t0 = time.perf_counter()
         self.branches = self.proposer.lookup_branches(self.history, self.max_depth())
         probs = lookup_probs(self.branches, self.proposer.scores)
-        budget, drafting = planner.choose(self.budget, self.dcache is not None, probs, self.lookup.trust)
+        budget, drafting = planner.choose(self.budget, self.dcache is not None, probs, self.record)
         self.skip_draft = not drafting
         self.expected = sum(probs[:budget - 1]) if budget > 1 and not drafting else None
         self._use(budget)
@@ -205,8 +205,8 @@ class Sequence:
         self.stats.draft_s += draft_s
         self.stats.verify_s += verify_s
         self.stats.record(len(acc.accepted), len(tree), acc.path)
-        if self.expected is not None:  # a lookup-only step: how far its scores held
-            self.lookup.add(self.expected, len(acc.accepted))
+        if self.proposer.planner is not None:  # what the next steps choose from (`step_budget.StepRecord`)
+            self.record.add(len(tree), verify_s, len(acc.accepted) + 1, self.expected)
         self.start += len(acc.path)
         return self.emit(acc.accepted + [acc.bonus])
 
