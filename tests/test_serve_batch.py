@@ -749,9 +749,10 @@ def test_fuzzing_beside_streams_leaves_them_unharmed(batch_server, reference):
 
 
 def test_lookup_only_steps_in_a_served_batch(model_dirs, reference, monkeypatch):
-    """--tree-size auto with a lookup method whose calibrated budget is 1: the worker keeps "auto",
-    reserves a lookup-only tree's rows per request, and its requests' steps verify such trees where
-    the text repeats; each greedy answer is still what plain decoding answers alone."""
+    """--tree-size auto with a lookup method whose calibrated budget is 1 (the default server, one
+    request at a time): the worker keeps "auto", reserves a lookup-only tree's rows per request, and
+    its requests' steps verify such trees where the text repeats; each greedy answer is still what
+    plain decoding answers alone."""
     import asyncio
 
     from treeflash.api import AutoChoice, Engine
@@ -771,12 +772,12 @@ def test_lookup_only_steps_in_a_served_batch(model_dirs, reference, monkeypatch)
     monkeypatch.setattr(Engine, "auto_tree_size", lambda self, cfg=None, **kw: choice)
     monkeypatch.setattr(StepRecord, "ratios", lambda self, estimate: {})  # the costs above decide, not this machine's
     gen = GenerationConfig(method="treeflash+lookup", tree_size="auto", top_m=2, top_k=2, max_new_tokens=16)
-    worker = Worker(engine, ServeConfig(model_name="tiny", generation=gen, max_tokens_limit=LIMIT, max_batch=2),
+    worker = Worker(engine, ServeConfig(model_name="tiny", generation=gen, max_tokens_limit=LIMIT, max_batch=1),
                     Metrics("tiny"))
     assert worker.budget == 1 and worker.rows == LOOKUP_MAX
     budgets = []
     plan = Sequence.plan
-    monkeypatch.setattr(Sequence, "plan", lambda self: plan(self) or budgets.append(self.proposer.params.budget))
+    monkeypatch.setattr(Sequence, "plan", lambda self, alone=True: plan(self, alone) or budgets.append(self.proposer.params.budget))
     prompts = ["one two three one two three one two three one two", "red blue red blue red blue red"]
 
     async def run():

@@ -7,6 +7,7 @@ import pytest
 from treeflash.api import AutoChoice, Engine
 from treeflash.decoding.lookup import (DEPTH_BUCKETS, MATCH_BUCKETS, SHARE_BUCKETS, Branches, LookupScores,
                                        TrieNode)
+from treeflash.decoding.sequence import Sequence
 from treeflash.decoding.stats import Stats
 from treeflash.decoding.step_budget import SEEN, StepBudget, StepRecord, lookup_probs, ratio
 
@@ -44,7 +45,8 @@ def test_a_step_takes_the_faster_of_the_calibrated_tree_and_a_lookup_only_tree()
     assert drafter.choose(4, True, [0.1]) == (4, True)       # the calibrated step, drafter and all
     b, drafts = drafter.choose(4, True, [0.99] * 15)          # a long confident copy: no drafter pass
     assert not drafts and b > 4
-    assert drafter.choose(4, False, [0.01]) == (1, False)     # no drafter context: plain or lookup only
+    assert drafter.choose(4, False, [0.01]) == (2, False)     # no drafter: the calibrated lookup tree, as large as it is
+    assert drafter.choose(1, False, [0.01]) == (1, False)     # ... calibrated plain: a poor copy stays plain
     assert StepBudget(flat, [], lambda b: 0.0, max_budget=4).choose(1, False, [0.9] * 10) == (4, False)
 
 
@@ -88,7 +90,10 @@ def test_decoding_with_step_budgets_is_plain_decoding(budget, monkeypatch):
     flat = {0: 0.0, 1: 1.0, 64: 1.0}
     choice = AutoChoice("treeflash+lookup", budget, 1.0, 2.0, 0.01, flat, [0.5, 0.3, 0.2], (0.01, 0.01, 7))
     engine = engine_with(choice, monkeypatch)
-    passes = []
+    passes, contexts = [], []
+    plan = Sequence.plan  # before each step the drafter's context holds every committed position, skipped passes or not
+    monkeypatch.setattr(Sequence, "plan", lambda self, alone=True: contexts.append(
+        self.dcache is None or self.dcache.length == self.start) or plan(self, alone))
     draft_blocks = engine.drafter.draft_blocks
     monkeypatch.setattr(engine.drafter, "draft_blocks", lambda jobs: passes.append(len(jobs)) or draft_blocks(jobs))
     cfg = engine.config(method="treeflash+lookup", tree_size="auto", top_m=3, top_k=3, max_new_tokens=40,
@@ -99,6 +104,7 @@ def test_decoding_with_step_budgets_is_plain_decoding(budget, monkeypatch):
     assert max(stats.tree_sizes) > budget                   # lookup-only trees, larger than the calibrated
     assert sum(stats.acceptance_lengths) > stats.steps      # ... and accepted
     assert len(passes) < stats.steps if budget > 1 else not passes  # steps without the drafter's pass
+    assert contexts and all(contexts)
     batch = engine.generate_batch([PROMPT, PROMPT[3:]], cfg)
     assert batch[0].token_ids == out and batch[1].token_ids == vanilla(engine.target, PROMPT[3:], 40)
 

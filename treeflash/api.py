@@ -15,7 +15,7 @@ from .decoding.proposers import check_drafter, make_proposer, plain_only
 from .decoding.text import TextAssembler, pieces
 from .errors import TreeflashError
 from .models import aot, registry
-from .options import DEVICES
+from .options import DEVICES, has_lookup
 from .models.drafter import Drafter, load_drafter, random_drafter  # noqa: F401 (random_drafter: part of the API)
 from .models.drafter_config import check_fits
 from .models.target import Target, parse_dtype
@@ -65,12 +65,12 @@ class AutoChoice:
         for the others (every step runs at `budget`)."""
         from .decoding.step_budget import LOOKUP_MAX, StepBudget
 
-        if "lookup" not in self.method:
+        if not has_lookup(self.method):
             return None
         return StepBudget(self.verify_costs, list(self.node_accept), self.draft_fn(), max(LOOKUP_MAX, self.budget))
 
     def summary(self) -> str:
-        lookup = "; lookup-only trees where the text repeats" if "lookup" in self.method else ""
+        lookup = "; lookup-only trees where the text repeats" if has_lookup(self.method) else ""
         if self.budget == 1 and not plain_only(self.method):  # a proposer that could have drafted
             return (f"tree size auto -> 1: speculation does not pay on this machine for {self.method} (1-node "
                     f"forward {self.verify_costs.get(1, 0) * 1e3:.1f} ms, draft {self.draft_s * 1e3:.1f} ms/step); "
@@ -191,7 +191,7 @@ class Engine:
             draft = costmodel.draft_cost(*draft_costs)
             node_accept = stats.node_acceptance()
             # lookup trees are smaller than the budget where the text does not repeat
-            sizes = stats.tree_sizes if "lookup" in method else None
+            sizes = stats.tree_sizes if has_lookup(method) else None
             budget, rate = costmodel.best_budget(costs, node_accept, draft, range(2, max_budget + 1), sizes)
             choice = AutoChoice(method, budget, rate, costmodel.expected_tau(node_accept, budget),
                                 draft(budget) if budget > 1 else 0.0, costs, list(node_accept), draft_costs)
@@ -253,17 +253,18 @@ class Engine:
         return [Result(t.final_text(), ids, st) for t, (ids, st) in zip(texts, dec.run(seqs))]
 
 
-def generation_config(engine: Engine, args, quiet: bool = False) -> GenerationConfig:
+def generation_config(engine: Engine, args, quiet: bool = False, per_step: bool = True) -> GenerationConfig:
     """The parsed options' GenerationConfig, checked, with --tree-size auto measured (the choice said
-    on stderr unless quiet, or the method never drafts) and replaced by its budget; a lookup method
-    keeps "auto": its steps choose their budgets from that choice and the text's repeats
-    (`decoding/step_budget.py`). Every command that decodes (generate, serve, chat, profile) builds it here."""
+    on stderr unless quiet, or the method never drafts) and replaced by its budget; with `per_step`,
+    a lookup method keeps "auto": its steps choose their budgets from that choice and the text's
+    repeats (`decoding/step_budget.py`). Every command that decodes (generate, serve, chat, profile)
+    builds it here."""
     cfg = engine.config(GenerationConfig.from_args(args))
     if cfg.tree_size == "auto":
         choice = engine.auto_tree_size(cfg)
         if not quiet and not plain_only(cfg.method):
             print(f"treeflash: {choice.summary()}", file=sys.stderr)
-        if choice.step_budget() is None:
+        if not (per_step and has_lookup(cfg.method)):
             cfg = cfg.replace(tree_size=choice.budget)
     return cfg
 

@@ -28,6 +28,11 @@ QUANTIZE = ("none", "int8", "int4")
 # and each drafter tree with lookup branches added
 DRAFTER_METHODS = ("chain", "marginal", "treeflash")
 METHODS = ("vanilla", *DRAFTER_METHODS, "lookup", *(f"{m}+lookup" for m in DRAFTER_METHODS))
+
+
+def has_lookup(method: str) -> bool:
+    """Whether `method` drafts lookup branches (`lookup`, `NAME+lookup`)."""
+    return method == "lookup" or method.endswith("+lookup")
 # plain decoding and each drafter tree: what bench, profile and selftest compare unless told otherwise
 CORE_METHODS = ("vanilla", *DRAFTER_METHODS)
 

@@ -23,6 +23,7 @@ from ..config import GenerationConfig
 from ..decoding.stats import Stats
 from ..errors import TreeflashError
 from ..models import registry
+from ..options import has_lookup
 from .arms import HF_METHODS, LLAMA_SERVER_METHODS, TREE_METHODS, Generation, Method
 
 PROMPT_LOOKUP_TOKENS = 10  # HF's documented default suggestion for prompt lookup
@@ -180,7 +181,7 @@ def resolve_sizes(engine, name: str, tree_sizes: list, p: GenerationConfig | Non
         if b == "auto":
             choice = engine.auto_tree_size(p, method=name)
             notes.append(choice.summary())
-            b = "auto" if choice.step_budget() is not None else choice.budget
+            b = "auto" if has_lookup(name) else choice.budget
         if b not in out:
             out.append(b)
     return out

@@ -190,7 +190,7 @@ def run(args) -> int:
         return print_verify_costs(engine, args.verify_costs.split(","), args.json)
     from ..api import generation_config
 
-    cfg = generation_config(engine, args)  # --tree-size auto: the measured choice
+    cfg = generation_config(engine, args, per_step=False)  # --tree-size auto: the measured choice, every step
     prompts = [s.turns[0] for s in sample_prompts(args.dataset, args.num_prompts, seed=0)]
     profile(engine, prompts[:1], methods, cfg.replace(max_new_tokens=8))  # warm-up (and compile)
     report = profile(engine, prompts, methods, cfg)

@@ -89,7 +89,8 @@ class BatchDecoder:
 
     def _decode(self, seqs: list[Sequence], out: dict) -> None:
         """One step of the decoding sequences: draft -> propose -> verify -> accept -> commit."""
-        seqs = list(self._each(seqs, Sequence.plan))  # each one's budget, and whether its drafter runs
+        alone = len(seqs) == 1  # per-step lookup budgets weigh one sequence's costs; a batch's follow the load
+        seqs = list(self._each(seqs, lambda s: s.plan(alone)))  # each one's budget, and whether its drafter runs
         t0 = time.perf_counter()
         states = self._shared(seqs, self._draft)
         t_draft = time.perf_counter() - t0
@@ -188,6 +189,8 @@ class BatchDecoder:
         sampling, max_new_tokens, seed and ignore_eos; `stop_ids` overrides the target's; `text` (a
         `TextAssembler`, optional) is fed its tokens, and its stop strings end it."""
         cfg = config or GenerationConfig()
+        if proposer is None and cfg.tree_size == "auto":
+            raise TreeflashError('tree_size "auto": give the proposer `Engine.prepare` makes for it')
         if proposer is None:
             proposer = make_proposer(cfg.method, self.drafter, self.target.embed, self.target.drafting_head,
                                      cfg.tree(self.target.vocab_rows))

@@ -75,11 +75,12 @@ class Sequence:
     start: int = 0                           # position of the root = tokens in the target's cache
     filled: int = 0                          # prompt tokens prefilled so far
     budget: int = 1                          # the tree budget set (`set_budget`); a step may choose another (`plan`)
-    max_budget: int = 1                      # the largest budget its reservation allows
+    max_budget: int = 1                      # the budget it was added with: `set_budget` stays within it
     skip_draft: bool = False                 # this step runs no drafter pass (`plan`: a lookup-only tree)
     branches: Branches | None = None         # this step's lookup branches where `plan` found them
     record: StepRecord = field(default_factory=StepRecord)  # its steps: lookup tokens expected, accepted; times
     expected: float | None = None            # this step's expected accepted lookup tokens (a lookup-only step)
+    timed: bool = False                      # this step was planned alone: its time goes into `record`
     reserved: int = 0                        # worst-case target cache slots (its reservation)
     t_start: float = 0.0
     done: bool = False
@@ -93,9 +94,9 @@ class Sequence:
         check_request(prompt, max_new_tokens, limit)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         s = cls(list(prompt), proposer, sampling, max_new_tokens, set(stop_ids), limit, gen, text, id, stats)
-        s.budget = proposer.params.budget
-        s.max_budget = max(s.budget, proposer.planner.max_budget) if proposer.planner is not None else s.budget
-        # every token wanted (within the window), then one tree's rows written past them before compaction
+        s.budget = s.max_budget = proposer.params.budget
+        # every token wanted (within the window), then the rows of its largest tree (a lookup-only one
+        # where its proposer has a planner) written past them before compaction
         s.reserved = min(limit, len(prompt) + max_new_tokens) + proposer.max_rows()
         if proposer.drafts:
             s.dcache = DraftCache(len(proposer.drafter.model.layers))
@@ -126,13 +127,16 @@ class Sequence:
         if self.proposer.params.budget != budget:
             self.proposer.params = replace(self.proposer.params, budget=budget)
 
-    def plan(self) -> None:
+    def plan(self, alone: bool = True) -> None:
         """This step's budget and whether its drafter runs: the set budget, drafting where the
         sequence keeps a drafter context; where the proposer has a `StepBudget` (lookup methods under
-        --tree-size auto), its choice from this step's lookup branches (found here, once)."""
+        --tree-size auto) and the sequence decodes `alone` (its choice weighs one sequence's step
+        costs; in a batch the set budget follows the load), its choice from this step's lookup
+        branches (found here, once)."""
         planner = self.proposer.planner
-        self.skip_draft = False
-        if planner is None:
+        self.skip_draft, self.expected, self.timed = False, None, planner is not None and alone
+        if not self.timed:
+            self._use(self.budget)
             return
         t0 = time.perf_counter()
         self.branches = self.proposer.lookup_branches(self.history, self.max_depth())
@@ -205,7 +209,7 @@ class Sequence:
         self.stats.draft_s += draft_s
         self.stats.verify_s += verify_s
         self.stats.record(len(acc.accepted), len(tree), acc.path)
-        if self.proposer.planner is not None:  # what the next steps choose from (`step_budget.StepRecord`)
+        if self.timed:  # what its later steps choose from
             self.record.add(len(tree), verify_s, len(acc.accepted) + 1, self.expected)
         self.start += len(acc.path)
         return self.emit(acc.accepted + [acc.bonus])
@@ -231,6 +235,7 @@ class Sequence:
     def finish(self, reason: str) -> None:
         """End it ("stop", "length", "abort", "error"): the stats are closed the first time; a
         later reason (a fault found after its end) replaces the first."""
+        self._use(self.budget)  # its proposer as it was set (a step may have chosen another budget)
         if not self.done:
             self.done = True
             self.stats.draft_s += self.proposer.timings["draft"]

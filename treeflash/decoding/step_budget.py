@@ -29,7 +29,7 @@ from typing import Callable
 from .costmodel import expected_tau, interpolate
 from .lookup import Branches, LookupScores
 
-LOOKUP_MAX = 16  # the largest lookup-only tree a step may verify: a branch of max_len = 16 tokens
+LOOKUP_MAX = 16  # the largest lookup-only tree a step may verify (or the calibrated budget, if larger)
 PRIOR_TOKENS = 4.0  # a new sequence trusts the scores as if they had been right about this many tokens
 SEEN = 2  # steps of one tree size a sequence needs before their times correct the measured cost
 MARGIN = 1.2  # a lookup-only tree must be expected this much faster than the calibrated step: both
@@ -119,12 +119,13 @@ class StepBudget:
         ratios = record.ratios(self.estimate)
         lookup_tau = [1.0, 1.0]  # [b]: 1 + the expected accepted lookup nodes of a b-node tree
         for p in probs[: self.max_budget - 1]:
-            lookup_tau.append(lookup_tau[-1] + record.trust * p)
+            lookup_tau.append(lookup_tau[-1] + min(1.0, record.trust * p))
         if drafting:  # the calibrated step; its tree holds this step's lookup branches too
             tau = max(expected_tau(self.node_accept, budget), lookup_tau[min(budget, len(lookup_tau) - 1)])
             best = (budget, True, tau / (self.draft(budget) + self.seconds(budget, tau, ratios)))
-        else:
-            best = (1, False, 1.0 / self.seconds(1, 1.0, ratios))  # plain decoding
+        else:  # the calibrated step without a drafter: the lookup tree at the calibrated budget (1: plain)
+            b = min(budget, len(lookup_tau) - 1)
+            best = (b, False, lookup_tau[b] / self.seconds(b, lookup_tau[b], ratios))
         base = best[2]
         for b in range(2, len(lookup_tau)):
             rate = lookup_tau[b] / self.seconds(b, lookup_tau[b], ratios)

@@ -354,10 +354,11 @@ class DraftCache:
         self.v[i] = v.contiguous() if self.v[i] is None else torch.cat([self.v[i], v], 1)
 
     def defer(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
+        """Context rows to append at the next block pass, after those already pending."""
+        self.length += len(positions)
         if self.pending is not None:
             feats, positions = torch.cat([self.pending[0], feats]), torch.cat([self.pending[1], positions])
         self.pending = (feats, positions)
-        self.length += len(positions)
 
     def take_pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         p, self.pending = self.pending, None

@@ -146,7 +146,9 @@ def run_serve(args) -> int:
     app = off_main_thread(lambda: _prepare_app(args, config, create_app))
     batch = f", batches of up to {config.max_batch}" if config.max_batch > 1 else ""
     adaptive = " at batch 1, load-adaptive" if config.auto_budget is not None else ""
-    print(f"treeflash: serving {config.model_name!r} ({args.method}, tree size {config.generation.tree_size}"
+    size = config.generation.tree_size
+    size = f"{size} (lookup-only trees per step)" if size == "auto" else size
+    print(f"treeflash: serving {config.model_name!r} ({args.method}, tree size {size}"
           f"{adaptive}{batch}) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
