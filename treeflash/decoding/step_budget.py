@@ -9,15 +9,17 @@ accepted tokens of a lookup-only tree of every size. `StepBudget.choose` takes, 
 is faster by expected tokens per second on the measured verify costs (`costmodel`), a lookup-only
 tree only where it is expected `MARGIN` times faster:
   - the calibrated step: the drafter's tree (with this step's lookup branches) at the calibrated
-    budget, or plain decoding where that budget is 1;
+    budget; without a drafter, the lookup tree at that budget (plain decoding where it is 1);
   - a lookup-only tree of the size that pays best, without the drafter's pass.
+A sequence decoding in a batch with others keeps its set budget (`Sequence.plan(alone=False)`):
+this choice weighs one sequence's step costs, and a batch's budgets follow the load.
 Both inputs are estimates, so each sequence keeps its own record (`StepRecord`) and corrects them:
 - the scores were measured on one target's data, and how far a copy holds depends on the text (code
   repeats exactly, chat paraphrases): the lookup tokens its lookup-only steps expected and those the
   target accepted scale the scores by their ratio (shrunk towards 1 while the record is short);
 - the verify costs were measured once, after 256 cached tokens: its own steps' times, against what
   the measured costs said of them, scale the costs, per tree size where it has seen that size and
-  linearly between (in a batch, a step's time is the whole batch's).
+  linearly between (steps it decoded alone only).
 Any tree is lossless; this chooses only its size and whether the drafter runs.
 """
 from __future__ import annotations
